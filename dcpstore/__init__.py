@@ -1,0 +1,68 @@
+"""dcpstore: pluggable, streaming, never-torn storage for PyTorch Distributed Checkpoint.
+
+>>> import torch.distributed.checkpoint as dcp, dcpstore
+>>> dcp.save(state_dict, storage_writer=dcpstore.get_writer("s3://bucket/run7/step-1200"))
+>>> dcp.load(state_dict, storage_reader=dcpstore.get_reader("s3://bucket/run7/step-1200"))
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .api import get_reader, get_writer, load, open_backend, save
+from .backend import Backend, BackendOptions, ObjectInfo, ReadRange, Upload
+from .errors import (
+    BackendNotFoundError,
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    DcpstoreError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    InvalidURIError,
+    ShardingError,
+    StoreTimeoutError,
+    UnsafeCheckpointError,
+    UnsafeKeyError,
+)
+from .local import LocalBackend, LocalOptions
+from .manifest import Manifest
+from .multipart import MultipartUpload
+from .reader import Reader, ReaderOptions
+from .registry import available_backends, register_backend
+from .writer import Writer, WriterOptions
+
+__all__ = [
+    "Backend",
+    "BackendNotFoundError",
+    "BackendOptions",
+    "CheckpointExistsError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "DcpstoreError",
+    "IncompleteCheckpointError",
+    "IntegrityError",
+    "InvalidURIError",
+    "LocalBackend",
+    "LocalOptions",
+    "Manifest",
+    "MultipartUpload",
+    "ObjectInfo",
+    "ReadRange",
+    "Reader",
+    "ReaderOptions",
+    "ShardingError",
+    "StoreTimeoutError",
+    "UnsafeCheckpointError",
+    "UnsafeKeyError",
+    "Upload",
+    "Writer",
+    "WriterOptions",
+    "__version__",
+    "available_backends",
+    "get_reader",
+    "get_writer",
+    "load",
+    "open_backend",
+    "register_backend",
+    "save",
+]

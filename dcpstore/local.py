@@ -1,0 +1,224 @@
+"""The local backend: POSIX files under a directory (the embedded default).
+
+Data files are written straight to their final, per-save unique names (nothing
+references them until ``.metadata`` is committed). Small objects put with
+``atomic=True`` (``.metadata``) go to a temporary name, are ``fsync``-ed and renamed
+over the target, and the directory is ``fsync``-ed, so a crash leaves either the old
+``.metadata`` or the new one. ``fsync`` of files and directory is on by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from typing_extensions import Buffer
+
+from .backend import Backend, BackendOptions, ObjectInfo, Upload
+
+__all__ = ["LocalBackend", "LocalOptions"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalOptions(BackendOptions):
+    """Options of the local backend.
+
+    Attributes:
+        fsync: ``fsync`` data files when committed and the directory at commit. Turning
+            it off trades crash safety for speed.
+    """
+
+    fsync: bool = True
+    max_concurrency: int = 4
+    part_size: int = 8 * 1024 * 1024
+    max_attempts: int = 1
+
+
+class _FileUpload(Upload):
+    def __init__(self, backend: LocalBackend, key: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.path = backend._path(key)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._fd: int | None = os.open(
+            self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
+        self._size = 0
+
+    def write(self, data: Buffer) -> int:
+        if self._fd is None:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self._size += total
+        return total
+
+    def commit(self) -> ObjectInfo:
+        if self._fd is None:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        fd, self._fd = self._fd, None
+        try:
+            if self.backend.options.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(self.path)
+            raise
+        os.close(fd)
+        return ObjectInfo(self.key, self._size)
+
+    def abort(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        _unlink_quietly(self.path)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            self.abort()
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class LocalBackend(Backend):
+    """Files under a local directory. URI forms: ``/abs/path``, ``rel/path``, ``file:///p``."""
+
+    Options = LocalOptions
+    name = "file"
+    schemes = ("file",)
+    options: LocalOptions
+
+    @property
+    def uri(self) -> str:
+        return self.location
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.location, *key.split("/"))
+
+    def _fsync_dir(self, path: str) -> None:
+        if not self.options.fsync:
+            return
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- primitives --------------------------------------------------------------------
+
+    def _open_upload(self, key: str) -> Upload:
+        return _FileUpload(self, key)
+
+    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
+        fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            pos = 0
+            while pos < len(out):
+                n = os.preadv(fd, [out[pos:]], offset + pos)
+                if n == 0:
+                    raise EOFError(
+                        f"{self._path(key)} ends at byte {offset + pos}, expected "
+                        f"{len(out)} bytes from offset {offset} (file truncated?)"
+                    )
+                pos += n
+        finally:
+            os.close(fd)
+
+    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
+        path = self._path(key)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+        target = tmp if atomic else path
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.options.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(target)
+            raise
+        os.close(fd)
+        if atomic:
+            os.replace(tmp, path)
+            self._fsync_dir(parent)
+
+    def _get(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def _stat(self, key: str) -> ObjectInfo:
+        st = os.stat(self._path(key))
+        if not os.path.isfile(self._path(key)):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", self._path(key))
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # Walk only the directory the prefix lies in, not the whole root.
+        head, _, _ = prefix.rpartition("/")
+        start = self._path(head) if head else self.location
+        if not os.path.isdir(start):
+            return
+        for dirpath, _dirs, files in os.walk(start):
+            rel_dir = os.path.relpath(dirpath, self.location)
+            for fname in files:
+                key = fname if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{fname}"
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, fname))
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        parents = set()
+        for key in keys:
+            path = self._path(key)
+            _unlink_quietly(path)
+            parents.add(os.path.dirname(path))
+        for parent in parents:
+            if os.path.isdir(parent):
+                self._fsync_dir(parent)
+
+    def remove_empty_dirs(self) -> None:
+        """Remove the root and its sub-directories if they hold no files."""
+        if not os.path.isdir(self.location):
+            return
+        for dirpath, _dirs, _files in os.walk(self.location, topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+    def _translate_error(self, exc: BaseException, key: str | None) -> BaseException | None:
+        if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.exists(
+            self.location
+        ) and not os.path.isdir(self.location):
+            return NotADirectoryError(
+                errno.ENOTDIR,
+                f"checkpoint location {self.location} is a file, not a directory; "
+                "choose a directory path",
+            )
+        if isinstance(exc, FileNotFoundError) and key is not None:
+            return FileNotFoundError(
+                errno.ENOENT, f"no such object {key!r} under {self.location}", self._path(key)
+            )
+        if isinstance(exc, EOFError):
+            return OSError(str(exc))
+        return None

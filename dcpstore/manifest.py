@@ -1,0 +1,146 @@
+"""The integrity manifest: size and CRC32C of every data file and every item in it.
+
+Written by the coordinator just before ``.metadata`` as ``.dcpstore-<save_id>.json``.
+``.metadata`` names the save id (``storage_meta.save_id``), so the commit point picks
+exactly one manifest with one atomic write, and two concurrent saves can never pair one
+save's ``.metadata`` with the other's manifest. torch's own readers ignore the file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+from typing_extensions import Buffer
+
+from .errors import IntegrityError
+
+__all__ = [
+    "FileRecord",
+    "Manifest",
+    "crc32c",
+    "manifest_key",
+]
+
+FORMAT = "dcpstore-manifest"
+VERSION = 1
+SAVE_ID_PREFIX = "dcpstore-"
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC32C of ``data``, continuing from ``value``."""
+    return int(_crc32c.crc32c(data, value))
+
+
+def manifest_key(save_id: str) -> str:
+    """Key of the manifest of a save."""
+    return f".dcpstore-{save_id.removeprefix(SAVE_ID_PREFIX)}.json"
+
+
+@dataclass
+class FileRecord:
+    """One data file: its size, CRC32C and the ``(offset, length, crc32c)`` of each item."""
+
+    size: int
+    crc32c: int
+    items: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "crc32c": f"{self.crc32c:08x}",
+            "items": [list(i) for i in self.items],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FileRecord:
+        return cls(
+            size=int(data["size"]),
+            crc32c=int(data["crc32c"], 16),
+            items=[(int(o), int(n), int(c)) for o, n, c in data.get("items", [])],
+        )
+
+
+@dataclass
+class Manifest:
+    """Everything a reader needs to prove the bytes it got are the bytes that were saved."""
+
+    save_id: str
+    world_size: int
+    files: dict[str, FileRecord]
+    dcpstore_version: str = ""
+    torch_version: str = ""
+    created: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+    _item_index: dict[tuple[str, int], tuple[int, int]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "created": self.created,
+            "dcpstore_version": self.dcpstore_version,
+            "torch_version": self.torch_version,
+            "extra": self.extra,
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = ".dcpstore json") -> Manifest:
+        """Parse a manifest.
+
+        Raises:
+            IntegrityError: The document is not a dcpstore manifest or is damaged.
+        """
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+            if int(doc.get("version", 0)) > VERSION:
+                raise ValueError(
+                    f"manifest version {doc['version']} is newer than this dcpstore "
+                    f"understands ({VERSION}); upgrade dcpstore"
+                )
+            return cls(
+                save_id=str(doc["save_id"]),
+                world_size=int(doc["world_size"]),
+                files={k: FileRecord.from_json(v) for k, v in doc["files"].items()},
+                dcpstore_version=str(doc.get("dcpstore_version", "")),
+                torch_version=str(doc.get("torch_version", "")),
+                created=float(doc.get("created", 0.0)),
+                extra=dict(doc.get("extra", {})),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise IntegrityError(f"{source} is not a valid dcpstore manifest: {exc}") from exc
+
+    def item_crc(self, relative_path: str, offset: int, length: int) -> int | None:
+        """CRC32C recorded for the item at ``offset`` of ``relative_path``, if any.
+
+        Raises:
+            IntegrityError: The manifest records a different length for that item.
+        """
+        if self._item_index is None:
+            self._item_index = {
+                (path, o): (n, c) for path, rec in self.files.items() for o, n, c in rec.items
+            }
+        found = self._item_index.get((relative_path, offset))
+        if found is None:
+            return None
+        if found[0] != length:
+            raise IntegrityError(
+                f"{relative_path} @ {offset}: .metadata says {length} bytes, the manifest "
+                f"says {found[0]}; the checkpoint was modified after it was written"
+            )
+        return found[1]

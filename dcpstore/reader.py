@@ -1,0 +1,398 @@
+"""The generic DCP ``StorageReader`` over any backend.
+
+DCP calls, in this order (``dcp.load``)::
+
+    reset(checkpoint_id)              every rank; a new load
+    read_metadata()                   every rank: restricted unpickle of .metadata,
+                                      stored paths validated, manifest fetched
+    set_up_storage_reader(md, ...)    every rank
+    prepare_local_plan(plan)          every rank (pass-through)
+    prepare_global_plan(plans)        coordinator (pass-through)
+    read_data(plan, planner)          every rank: group items by file, sort by offset,
+                                      coalesce neighbours, fetch ranges concurrently,
+                                      verify CRC32C, copy into the destination tensors
+
+Only the byte ranges of the items in this rank's plan are fetched (resharding N -> M
+reads what each rank needs, not whole files).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import layout
+from .backend import Backend, ReadRange
+from .errors import (
+    CheckpointNotFoundError,
+    DcpstoreError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    UnsafeCheckpointError,
+)
+from .manifest import SAVE_ID_PREFIX, Manifest, crc32c
+from .safe_pickle import safe_loads
+from .uri import validate_key
+
+__all__ = ["Reader", "ReaderOptions"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReaderOptions:
+    """Options of :class:`Reader` (backend options are separate).
+
+    Attributes:
+        verify: Check every item read against the manifest's CRC32C (when the
+            checkpoint has one; checkpoints written by torch's writers do not).
+        coalesce_gap: Neighbouring ranges of one file closer than this many bytes are
+            fetched as one request.
+        max_range: Upper bound of a coalesced request (a single larger item is fetched
+            whole).
+        allow_pickle: Load non-tensor items with full pickle (can run code). By default
+            they are loaded with ``weights_only`` semantics and anything else is refused.
+        allow_unsafe_metadata: Unpickle ``.metadata`` without restriction (for custom
+            planners that store their own classes in it).
+    """
+
+    verify: bool = True
+    coalesce_gap: int = 1024 * 1024
+    max_range: int = 64 * 1024 * 1024
+    allow_pickle: bool = False
+    allow_unsafe_metadata: bool = False
+
+
+@dataclass
+class _Range:
+    """A coalesced request and the items it carries."""
+
+    key: str
+    offset: int
+    length: int
+    items: list[tuple[ReadItem, _StorageInfo]] = field(default_factory=list)
+
+
+def coalesce(
+    requests: Sequence[tuple[ReadItem, _StorageInfo]], gap: int, max_range: int
+) -> list[_Range]:
+    """Group read items by file, sort by offset and merge neighbours into ranges."""
+    per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = {}
+    for req, info in requests:
+        per_file.setdefault(info.relative_path, []).append((req, info))
+    ranges: list[_Range] = []
+    for key in sorted(per_file):
+        current: _Range | None = None
+        for req, info in sorted(per_file[key], key=lambda ri: (ri[1].offset, ri[1].length)):
+            end = info.offset + info.length
+            if (
+                current is not None
+                and info.offset - (current.offset + current.length) <= gap
+                and max(end, current.offset + current.length) - current.offset <= max_range
+            ):
+                current.length = max(end, current.offset + current.length) - current.offset
+            else:
+                current = _Range(key, info.offset, info.length)
+                ranges.append(current)
+            current.items.append((req, info))
+    return ranges
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview (no copy of the whole view)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class Reader(StorageReader):
+    """DCP storage reader over a :class:`~dcpstore.Backend`. Create with
+    :func:`dcpstore.get_reader`; pass as ``storage_reader=`` to ``dcp.load``.
+
+    Args:
+        backend: Where the checkpoint is.
+        options: Reader options.
+        extension_registry: Decoders for DCP stream transforms (defaults to torch's).
+        rebind: Function turning a ``checkpoint_id`` passed to ``dcp.load`` into a
+            backend with the same options (set by :func:`dcpstore.get_reader`).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        options: ReaderOptions | None = None,
+        *,
+        extension_registry: Any = None,
+        rebind: Any = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.options = options or ReaderOptions()
+        self._rebind = rebind
+        self._transforms = _StorageReaderTransforms(extension_registry)
+        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.manifest: Manifest | None = None
+        self.load_id = uuid.uuid4().hex
+        #: Bytes fetched by the last ``read_data`` (coalescing gaps included).
+        self.bytes_read = 0
+        #: Bytes the last ``read_data`` needed (sum of its items).
+        self.bytes_needed = 0
+        #: Range requests issued by the last ``read_data``.
+        self.requests = 0
+
+    def __repr__(self) -> str:
+        return f"Reader({self.backend.uri!r})"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The URI this reader loads from."""
+        return self.backend.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        from .api import open_backend
+
+        try:
+            open_backend(str(checkpoint_id))
+        except Exception:
+            return False
+        return True
+
+    # -- DCP protocol ------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Start a new load, optionally from another location (same backend options)."""
+        if checkpoint_id is not None and str(checkpoint_id) != self.backend.uri:
+            if self._rebind is None:
+                raise DcpstoreError(
+                    f"this Reader loads from {self.backend.uri}; create one for {checkpoint_id}"
+                )
+            self.backend = self._rebind(str(checkpoint_id))
+        self.storage_data = {}
+        self.manifest = None
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Read and validate ``.metadata`` (and the manifest it names)."""
+        if kwargs.get("rank") is not None:
+            raise CheckpointNotFoundError(
+                f"{self.backend.uri}: rank-local metadata (use_collectives=False) is not "
+                "a dcpstore checkpoint format"
+            )
+        try:
+            raw = self.backend.get(layout.METADATA_KEY)
+        except FileNotFoundError:
+            raise self._missing_metadata_error() from None
+        metadata = self._parse_metadata(raw)
+        self.manifest = self._read_manifest(metadata)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if metadata.storage_data is None:
+            raise IntegrityError(f"{self.backend.uri}/.metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        if self.manifest is None and self.options.verify:
+            # read_metadata ran on another object (e.g. metadata passed in directly)
+            self.manifest = self._read_manifest(metadata)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        requests = []
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise IntegrityError(
+                    f"{self.backend.uri}/.metadata has no storage entry for "
+                    f"{req.storage_index.fqn!r}"
+                )
+            requests.append((req, info))
+        ranges = coalesce(requests, self.options.coalesce_gap, self.options.max_range)
+        self.bytes_needed = sum(info.length for _, info in requests)
+        self.bytes_read = sum(r.length for r in ranges)
+        self.requests = len(ranges)
+        logger.debug("%s: %d items in %d ranges, %d bytes (%d needed)", self.backend.uri,
+                     len(requests), len(ranges), self.bytes_read, self.bytes_needed)
+        fetches = [ReadRange(r.key, r.offset, r.length) for r in ranges]
+        for index, buf in self.backend.read_ranges(fetches):
+            rng = ranges[index]
+            for req, info in rng.items:
+                start = info.offset - rng.offset
+                self._deliver(req, info, buf[start : start + info.length], planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _missing_metadata_error(self) -> Exception:
+        try:
+            leftovers = [o.key for o in self.backend.list("__") if o.key.endswith(".distcp")]
+        except FileNotFoundError:
+            leftovers = []
+        if leftovers:
+            return IncompleteCheckpointError(
+                f"incomplete checkpoint at {self.backend.uri}: {len(leftovers)} data files "
+                "but no .metadata (a save that failed or is still running). Load another "
+                "checkpoint; `dcpstore gc` removes the leftovers."
+            )
+        return CheckpointNotFoundError(
+            f"no checkpoint at {self.backend.uri} (no .metadata); check the URI"
+        )
+
+    def _parse_metadata(self, raw: bytes) -> Metadata:
+        source = f"{self.backend.uri}/.metadata"
+        try:
+            metadata = safe_loads(raw, source=source,
+                                  trusted=self.options.allow_unsafe_metadata)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as exc:
+            raise IntegrityError(f"{source} is damaged and cannot be read: {exc}") from exc
+        if not isinstance(metadata, Metadata):
+            raise IntegrityError(f"{source} holds a {type(metadata).__name__}, not DCP Metadata")
+        for index, info in (metadata.storage_data or {}).items():
+            if not isinstance(info, _StorageInfo):
+                raise IntegrityError(f"{source}: storage entry of {index.fqn!r} is malformed")
+            validate_key(info.relative_path)
+        return metadata
+
+    def _read_manifest(self, metadata: Metadata) -> Manifest | None:
+        if not self.options.verify:
+            return None
+        save_id = getattr(metadata.storage_meta, "save_id", None)
+        if not (isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)):
+            logger.debug("%s was not written by dcpstore; no manifest to verify against",
+                         self.backend.uri)
+            return None
+        key = layout.manifest_key(save_id)
+        try:
+            raw = self.backend.get(key)
+        except FileNotFoundError:
+            raise IntegrityError(
+                f"{self.backend.uri}: the integrity manifest {key} named by .metadata is "
+                "missing; the checkpoint was damaged after it was written (pass verify=False "
+                "to load it unverified)"
+            ) from None
+        manifest = Manifest.from_bytes(raw, source=f"{self.backend.uri}/{key}")
+        if manifest.save_id != save_id:
+            raise IntegrityError(
+                f"{self.backend.uri}/{key} belongs to save {manifest.save_id}, not {save_id}"
+            )
+        return manifest
+
+    def _verify(self, req: ReadItem, info: _StorageInfo, view: memoryview) -> None:
+        if self.manifest is None:
+            return
+        if len(view) != info.length:
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: item {req.storage_index.fqn!r} "
+                f"at offset {info.offset} is truncated ({len(view)} of {info.length} bytes)"
+            )
+        expected = self.manifest.item_crc(info.relative_path, info.offset, info.length)
+        if expected is None:
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: item {req.storage_index.fqn!r} at "
+                f"offset {info.offset} is not in the manifest; .metadata was tampered with"
+            )
+        actual = crc32c(view)
+        if actual != expected:
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: CRC32C mismatch in item "
+                f"{req.storage_index.fqn!r} (bytes {info.offset}-{info.offset + info.length}): "
+                f"expected {expected:08x}, got {actual:08x}. The data file is corrupted; "
+                "restore it or load an older checkpoint."
+            )
+
+    def _deliver(
+        self, req: ReadItem, info: _StorageInfo, view: memoryview, planner: LoadPlanner
+    ) -> None:
+        self._verify(req, info, view)
+        stream: Any = _ViewReader(view)
+        if info.transform_descriptors:
+            stream = self._transforms.transform_load_stream(req, info.transform_descriptors,
+                                                            stream)
+        fqn = req.storage_index.fqn
+        if req.type == LoadItemType.BYTE_IO:
+            data = stream.read()
+            if not self.options.allow_pickle:
+                self._check_weights_only(fqn, info, data)
+            planner.load_bytes(req, io.BytesIO(data))
+            return
+        if not stream.seekable():
+            stream = io.BytesIO(stream.read())
+        try:
+            tensor = cast(torch.Tensor, torch.load(stream, map_location="cpu", weights_only=True))
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} is not a plain "
+                f"tensor ({exc})"
+            ) from exc
+        except RuntimeError as exc:
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} at offset "
+                f"{info.offset} cannot be decoded: {exc}"
+            ) from exc
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise IntegrityError(
+                f"{fqn!r}: the checkpoint holds a chunk of shape {list(tensor.size())} where "
+                f"the destination expects {list(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _check_weights_only(self, fqn: str, info: _StorageInfo, data: bytes) -> None:
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"{self.backend.uri}/{info.relative_path}: item {fqn!r} is a pickle that "
+                f"weights_only loading refuses ({str(exc).splitlines()[0]}). It could run "
+                "code. If you trust this checkpoint, load with allow_pickle=True."
+            ) from exc

@@ -1,0 +1,443 @@
+"""The generic DCP ``StorageWriter`` over any backend.
+
+DCP calls, in this order (``dcp.save`` / ``dcp.async_save``)::
+
+    reset(checkpoint_id)              every rank; a new save
+    storage_meta()                    every rank
+    set_up_storage_writer(...)        every rank
+    prepare_local_plan(plan)          every rank: summarize plain-tensor shapes
+    prepare_global_plan(plans)        coordinator: overwrite check, sharding guard,
+                                      assign the save id to every rank's plan
+    write_data(plan, planner)         every rank: stream data files, CRC32C as they go
+    finish(metadata, results)         coordinator, only if every rank succeeded:
+                                      manifest, then .metadata (the commit point),
+                                      then delete files the overwritten save used
+
+Nothing is committed unless every rank's writes succeeded; a rank whose write fails
+aborts its own uploads, and :meth:`Writer.discard` (called by :func:`dcpstore.save`)
+removes what the other ranks wrote. See ``docs/`` for the full commit protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+from typing_extensions import Buffer
+
+from . import layout
+from ._version import __version__
+from .backend import Backend, Upload
+from .errors import CheckpointExistsError, DcpstoreError
+from .guard import LocalPlanSummary, check_global_plan, summarize_local_plan
+from .manifest import FileRecord, Manifest, crc32c
+from .safe_pickle import safe_loads
+
+__all__ = ["Writer", "WriterOptions"]
+
+logger = logging.getLogger(__name__)
+
+_DCP_VERSION = "1.0.0"
+
+
+@dataclass
+class WriterOptions:
+    """Options of :class:`Writer` (backend options are separate).
+
+    Attributes:
+        overwrite: Replace an existing committed checkpoint at the URI (atomically: the
+            old one stays loadable until the new ``.metadata`` lands). When false, an
+            existing checkpoint is refused before any rank writes.
+        files_per_rank: Data files each rank writes, concurrently. Items are spread
+            over them by size.
+        sharding_guard: Refuse per-rank state saved as plain tensors (see
+            :mod:`dcpstore.guard`).
+    """
+
+    overwrite: bool = False
+    files_per_rank: int = 1
+    sharding_guard: bool = True
+
+
+@dataclass
+class _Assignment:
+    """What the coordinator sends each rank in its global plan."""
+
+    rank: int
+    save_id: str
+
+
+@dataclass
+class _WrittenItem:
+    """``WriteResult.storage_data`` on its way to the coordinator."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Sequence[str] | None
+    crc32c: int
+    file: FileRecord | None = None  # set on the last item of each file
+
+
+class _ChecksumStream(io.RawIOBase):
+    """Write-only stream into an :class:`Upload` that tracks position and CRC32C."""
+
+    def __init__(self, upload: Upload) -> None:
+        self.upload = upload
+        self.position = 0
+        self.file_crc = 0
+        self.item_crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Buffer) -> int:
+        view = memoryview(data).cast("B")
+        self.upload.write(view)
+        self.file_crc = crc32c(view, self.file_crc)
+        self.item_crc = crc32c(view, self.item_crc)
+        self.position += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.position
+
+    def close(self) -> None:  # the upload is committed or aborted by its owner
+        pass
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over ``bins`` files: byte items round-robin, tensors largest-first
+    into the emptiest file. Empty bins are dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(max(1, bins))]
+    sizes = [0] * len(buckets)
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = sorted(
+        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True
+    )
+    for n, item in enumerate(byte_items):
+        buckets[n % len(buckets)].append(item)
+    for item in tensors:
+        idx = sizes.index(min(sizes))
+        buckets[idx].append(item)
+        sizes[idx] += _item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+def _prepare_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        # a view into a larger storage: torch.save would write the whole storage
+        tensor = tensor.clone()
+    return tensor
+
+
+class Writer(StorageWriter):
+    """DCP storage writer over a :class:`~dcpstore.Backend`. Create with
+    :func:`dcpstore.get_writer`; pass as ``storage_writer=`` to ``dcp.save``.
+
+    Args:
+        backend: Where the checkpoint goes.
+        options: Writer options.
+        extensions: DCP stream transforms (e.g. ``[ZStandard()]``), recorded per item so
+            torch's readers can decode them.
+        rebind: Function turning a ``checkpoint_id`` passed to ``dcp.save`` into a
+            backend with the same options (set by :func:`dcpstore.get_writer`).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        options: WriterOptions | None = None,
+        *,
+        extensions: Sequence[Any] | None = None,
+        rebind: Any = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.options = options or WriterOptions()
+        if self.options.files_per_rank < 1:
+            raise ValueError(f"files_per_rank must be >= 1, got {self.options.files_per_rank}")
+        self.extensions = list(extensions) if extensions else []
+        self._rebind = rebind
+        self.is_coordinator = True
+        self.rank = 0
+        self.save_id = layout.new_save_id()
+        self._previous: Metadata | None = None
+        self._written: list[str] = []
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Writer({self.backend.uri!r}, overwrite={self.options.overwrite})"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The URI this writer saves to."""
+        return self.backend.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        from .api import open_backend
+
+        try:
+            open_backend(str(checkpoint_id))
+        except Exception:
+            return False
+        return True
+
+    # -- DCP protocol ------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Start a new save, optionally at another location (same backend options)."""
+        if checkpoint_id is not None and str(checkpoint_id) != self.backend.uri:
+            if self._rebind is None:
+                raise DcpstoreError(
+                    f"this Writer saves to {self.backend.uri}; create one for {checkpoint_id}"
+                )
+            self.backend = self._rebind(str(checkpoint_id))
+        self.save_id = layout.new_save_id()
+        self._previous = None
+        self._written = []
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = int(rank)
+        if kwargs.get("use_collectives", True) is False:
+            raise DcpstoreError(
+                "dcpstore needs a coordinated save (use_collectives=True): without one no "
+                "rank can know that every rank finished, so nothing could be committed "
+                "atomically"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return dataclasses.replace(plan, storage_data=summarize_local_plan(plan, self.rank))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        summaries = {
+            i: p.storage_data if isinstance(p.storage_data, LocalPlanSummary)
+            else LocalPlanSummary(i)
+            for i, p in enumerate(plans)
+        }
+        if self.options.sharding_guard:
+            check_global_plan(summaries)
+        self._check_target()
+        return [
+            dataclasses.replace(plan, storage_data=_Assignment(rank=i, save_id=self.save_id))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment = plan.storage_data
+        if not isinstance(assignment, _Assignment):
+            raise DcpstoreError(
+                "the global plan carries no dcpstore assignment; was prepare_global_plan "
+                "skipped (save-plan caching is not supported)?"
+            )
+        self.save_id = assignment.save_id
+        buckets = _split_items(plan.items, self.options.files_per_rank)
+        names = [layout.data_file_name(assignment.rank, i, self.save_id)
+                 for i in range(len(buckets))]
+        results: list[WriteResult] = []
+        if len(buckets) <= 1:
+            for name, bucket in zip(names, buckets, strict=True):
+                results += self._write_file(name, bucket, planner)
+        else:
+            # like torch's FileSystemWriter(thread_count=N): one thread per file
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-file") as pool:
+                futures = [pool.submit(self._write_file, n, b, planner)
+                           for n, b in zip(names, buckets, strict=True)]
+                errors = []
+                for pending in futures:
+                    try:
+                        results += pending.result()
+                    except BaseException as exc:
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_data: dict[Any, _StorageInfo] = {}
+        files: dict[str, FileRecord] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                item = cast(_WrittenItem, wr.storage_data)
+                storage_data[wr.index] = _StorageInfo(
+                    item.relative_path, item.offset, item.length,
+                    transform_descriptors=item.transform_descriptors,
+                )
+                if item.file is not None:
+                    files[item.relative_path] = item.file
+        metadata.storage_data = storage_data
+        metadata.version = _DCP_VERSION
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
+        manifest = Manifest(
+            save_id=self.save_id,
+            world_size=len(results),
+            files=files,
+            dcpstore_version=__version__,
+            torch_version=torch.__version__,
+            extra={"extensions": [type(e).__name__ for e in self.extensions]},
+        )
+        manifest_key = layout.manifest_key(self.save_id)
+        try:
+            self.backend.put(manifest_key, manifest.to_bytes())
+            self.backend.put(layout.METADATA_KEY, pickle.dumps(metadata), atomic=True)
+        except BaseException:
+            logger.error("commit of %s failed; removing this save's files", self.backend.uri)
+            self._delete_quietly([*files, manifest_key])
+            raise
+        logger.info(
+            "committed %s (save %s, %d files, %.1f MB)", self.backend.uri, self.save_id,
+            len(files), manifest.total_bytes / 1e6,
+        )
+        self._delete_stale(set(files))
+
+    # -- failure handling ----------------------------------------------------------------
+
+    def discard(self) -> None:
+        """Delete every object of this save (after a failed save, on the coordinator).
+
+        Never touches ``.metadata`` or files of other saves.
+        """
+        keys = [o.key for o in self.backend.list("__")
+                if layout.save_id_of(o.key) == self.save_id]
+        keys.append(layout.manifest_key(self.save_id))
+        self._delete_quietly(keys)
+        if self.backend.exists(layout.METADATA_KEY):
+            return
+        # nothing else there: leave no empty directory behind on local disk
+        remove = getattr(self.backend, "remove_empty_dirs", None)
+        if remove is not None:
+            remove()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_target(self) -> None:
+        """Coordinator only: one existence check, before any rank writes."""
+        try:
+            raw = self.backend.get(layout.METADATA_KEY)
+        except FileNotFoundError:
+            return
+        if not self.options.overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {self.backend.uri}; pass overwrite=True to "
+                "replace it (atomically), or save to a new location"
+            )
+        try:
+            previous = safe_loads(raw, source=f"{self.backend.uri}/.metadata")
+            self._previous = previous if isinstance(previous, Metadata) else None
+        except Exception as exc:  # an unreadable old checkpoint must not block a new one
+            logger.warning("existing .metadata at %s is unreadable (%s); it will be "
+                           "replaced but its data files are left for `dcpstore gc`",
+                           self.backend.uri, exc)
+
+    def _delete_stale(self, keep: set[str]) -> None:
+        previous = self._previous
+        if previous is None:
+            return
+        stale = {
+            getattr(info, "relative_path", None)
+            for info in (previous.storage_data or {}).values()
+        }
+        stale.discard(None)
+        old_save = getattr(previous.storage_meta, "save_id", None)
+        if isinstance(old_save, str) and old_save.startswith("dcpstore-"):
+            stale.add(layout.manifest_key(old_save))
+        doomed = sorted(k for k in stale if isinstance(k, str) and k not in keep)
+        if doomed:
+            logger.info("deleting %d files of the overwritten checkpoint", len(doomed))
+            self._delete_quietly(doomed)
+
+    def _delete_quietly(self, keys: Sequence[str]) -> None:
+        try:
+            self.backend.delete(keys)
+        except Exception as exc:
+            logger.warning("could not delete %d objects under %s (%s); `dcpstore gc` will",
+                           len(keys), self.backend.uri, exc)
+
+    def _write_file(
+        self, name: str, items: Sequence[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        started = time.perf_counter()
+        upload = self.backend.open_upload(name)
+        stream = _ChecksumStream(upload)
+        transforms = _StorageWriterTransforms(self.extensions) if self.extensions else None
+        written: list[tuple[WriteItem, _WrittenItem]] = []
+        records: list[tuple[int, int, int]] = []
+        try:
+            # byte items first, like torch's writer; then tensors
+            ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+            for item in ordered:
+                offset = stream.position
+                stream.item_crc = 0
+                data = planner.resolve_data(item)
+                sink: Any = stream
+                descriptors: list[str] = []
+                if transforms is not None:
+                    sink, descriptors = transforms.transform_save_stream(item, stream)
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(data, io.BytesIO):
+                        raise TypeError(f"byte item {item.index.fqn!r} resolved to {type(data)}")
+                    sink.write(data.getbuffer())
+                else:
+                    if not isinstance(data, torch.Tensor):
+                        raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data)}")
+                    torch.save(_prepare_tensor(data), sink)
+                if transforms is not None:
+                    sink.close()
+                length = stream.position - offset
+                record = _WrittenItem(name, offset, length, descriptors or None, stream.item_crc)
+                written.append((item, record))
+                records.append((offset, length, stream.item_crc))
+            info = upload.commit()
+        except BaseException:
+            upload.abort()
+            raise
+        if info.size != stream.position:
+            raise DcpstoreError(
+                f"{name}: backend stored {info.size} bytes, {stream.position} were written"
+            )
+        elapsed = time.perf_counter() - started
+        logger.debug("wrote %s: %d items, %d bytes in %.3fs", name, len(items),
+                     stream.position, elapsed)
+        if written:
+            written[-1][1].file = FileRecord(stream.position, stream.file_crc, records)
+        return [
+            WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=rec)
+            for item, rec in written
+        ]
