@@ -1,0 +1,38 @@
+# Two commands for a fresh machine:
+#   make demo   - set everything up (.venv) and run the demo
+#   make test   - set everything up (.venv) and run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+TORCH   = torch==2.13.0
+REQS    = $(wildcard requirements/*.txt)
+PLUGINS = $(wildcard backends/*/pyproject.toml)
+
+.PHONY: setup demo test lint typecheck bench bench-quick clean
+
+setup: $(VENV)/.installed
+
+# torch goes in first, alone and pinned, so no resolver ever pulls a CUDA build;
+# everything else is pinned by requirements/constraints.txt (which pins torch too).
+$(VENV)/.installed: pyproject.toml $(REQS) $(PLUGINS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt \
+	    $(foreach r,$(filter-out requirements/constraints.txt,$(REQS)),-r $(r))
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt --no-build-isolation \
+	    -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	touch $@
+
+demo: setup
+	$(BIN)/dcpstore demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check dcpstore backends tests benchmarks
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info backends/*/*.egg-info
