@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -86,9 +87,7 @@ def _factory(
     resolved_own = resolve_options(own, scheme="dcpstore", explicit=own_opts, query=own_query,
                                    environ={})
 
-    def rebind(new_uri: str) -> Backend:
-        return open_backend(new_uri, backend=backend, **backend_opts)
-
+    rebind = functools.partial(open_backend, backend=backend, **backend_opts)
     return open_backend(uri, backend=backend, **backend_opts), resolved_own, rebind
 
 
@@ -165,11 +164,17 @@ def _check_keys(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
 
 
 def _unwrap(exc: CheckpointException) -> BaseException:
-    """The most useful error inside DCP's CheckpointException (a dcpstore one first)."""
-    failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
-    for kind in (DcpstoreError, OSError):
-        for err in failures:
+    """The most useful error inside DCP's CheckpointException: a dcpstore error first,
+    then an ``OSError``, then whatever a rank raised; annotated with the rank."""
+    failures = [
+        (rank, f[0] if isinstance(f, tuple) else f) for rank, f in exc.failures.items()
+    ]
+    for kind in (DcpstoreError, OSError, Exception):
+        for rank, err in failures:
             if isinstance(err, kind):
+                if hasattr(err, "add_note"):
+                    err.add_note(f"(raised on rank {rank} during {exc.args[0]!r}; "
+                                 f"{len(failures)} rank(s) failed)")
                 return err
     return exc
 
@@ -241,5 +246,8 @@ def load(
         dcp.load(state_dict, storage_reader=reader, planner=planner or CheckedLoadPlanner(),
                  process_group=process_group, no_dist=not _distributed())
     except CheckpointException as exc:
+        # DCP folds read_metadata errors into an AssertionError; the reader kept ours
+        if reader.metadata_error is not None:
+            raise reader.metadata_error from exc
         raise _unwrap(exc) from exc
 

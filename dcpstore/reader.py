@@ -174,6 +174,8 @@ class Reader(StorageReader):
         self.bytes_needed = 0
         #: Range requests issued by the last ``read_data``.
         self.requests = 0
+        #: Why the last ``read_metadata`` failed (DCP wraps it in an AssertionError).
+        self.metadata_error: BaseException | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.backend.uri!r})"
@@ -205,10 +207,19 @@ class Reader(StorageReader):
             self.backend = self._rebind(str(checkpoint_id))
         self.storage_data = {}
         self.manifest = None
+        self.metadata_error = None
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read and validate ``.metadata`` (and the manifest it names)."""
+        try:
+            return self._read_metadata(*args, **kwargs)
+        except BaseException as exc:
+            if kwargs.get("rank") is None:
+                self.metadata_error = exc
+            raise
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointNotFoundError(
                 f"{self.backend.uri}: rank-local metadata (use_collectives=False) is not "

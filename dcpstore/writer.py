@@ -24,7 +24,6 @@ import dataclasses
 import io
 import logging
 import pickle
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -191,7 +190,6 @@ class Writer(StorageWriter):
         self.save_id = layout.new_save_id()
         self._previous: Metadata | None = None
         self._written: list[str] = []
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Writer({self.backend.uri!r}, overwrite={self.options.overwrite})"
