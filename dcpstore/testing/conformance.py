@@ -341,7 +341,7 @@ class BackendConformance:
             dcpstore.save({"w": torch.zeros(4), "o": Unpicklable()}, checkpoint_uri,
                           overwrite=True, **backend_options)
         assert sorted(o.key for o in backend.list()) == before
-        out = {"w": torch.zeros(4), "o": 0}
+        out: dict[str, Any] = {"w": torch.zeros(4), "o": 0}
         dcpstore.load(out, checkpoint_uri, **backend_options)
         assert torch.equal(out["w"], torch.ones(4)) and out["o"] == 1
 
