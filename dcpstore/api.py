@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -183,6 +185,14 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: here that is deliberate."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(
     state_dict: dict[str, Any],
     uri: URI,
@@ -210,8 +220,9 @@ def save(
     """
     writer = get_writer(uri, backend=backend, **options)
     try:
-        return dcp.save(state_dict, storage_writer=writer, planner=planner,
-                        process_group=process_group, no_dist=not _distributed())
+        with _single_process_quiet():
+            return dcp.save(state_dict, storage_writer=writer, planner=planner,
+                            process_group=process_group, no_dist=not _distributed())
     except CheckpointException as exc:
         if writer.is_coordinator:
             writer.discard()
@@ -243,8 +254,9 @@ def load(
     """
     reader = get_reader(uri, backend=backend, **options)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner or CheckedLoadPlanner(),
-                 process_group=process_group, no_dist=not _distributed())
+        with _single_process_quiet():
+            dcp.load(state_dict, storage_reader=reader, planner=planner or CheckedLoadPlanner(),
+                     process_group=process_group, no_dist=not _distributed())
     except CheckpointException as exc:
         # DCP folds read_metadata errors into an AssertionError; the reader kept ours
         if reader.metadata_error is not None:
