@@ -92,6 +92,7 @@ def _rank_main(rank: int, world: int, port: int, uri: str, width: int, depth: in
         )
         if rank == 0:
             queue.put((elapsed, _digest({"model": full_m, "optim": full_o}), float(loss.detach())))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 

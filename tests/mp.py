@@ -37,7 +37,9 @@ def _entry(
     )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        results[rank] = ("ok", fn(rank, world_size, *args))
+        value = fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
+        results[rank] = ("ok", value)
     except BaseException as exc:
         results[rank] = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         raise
