@@ -225,7 +225,11 @@ def save(
                             process_group=process_group, no_dist=not _distributed())
     except CheckpointException as exc:
         if writer.is_coordinator:
-            writer.discard()
+            try:
+                writer.discard()
+            except Exception as cleanup:  # must not mask the error that failed the save
+                logger.warning("could not remove the files of the failed save at %s (%s); "
+                               "`dcpstore gc` will", writer.backend.uri, cleanup)
         raise _unwrap(exc) from exc
 
 
