@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._version import __version__
 from .api import get_reader, get_writer, load, open_backend, save
 from .backend import Backend, BackendOptions, ObjectInfo, ReadRange, Upload
+from .checkpointer import Checkpointer, CheckpointSaveError
 from .errors import (
     BackendNotFoundError,
     CheckpointExistsError,
@@ -29,15 +30,20 @@ from .manifest import Manifest
 from .multipart import MultipartUpload
 from .reader import Reader, ReaderOptions
 from .registry import available_backends, register_backend
+from .state import AppState
+from .weights import export, load_model_weights
 from .writer import Writer, WriterOptions
 
 __all__ = [
+    "AppState",
     "Backend",
     "BackendNotFoundError",
     "BackendOptions",
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "Checkpointer",
     "DcpstoreError",
     "IncompleteCheckpointError",
     "IntegrityError",
@@ -59,9 +65,11 @@ __all__ = [
     "WriterOptions",
     "__version__",
     "available_backends",
+    "export",
     "get_reader",
     "get_writer",
     "load",
+    "load_model_weights",
     "open_backend",
     "register_backend",
     "save",

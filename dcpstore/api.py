@@ -85,7 +85,7 @@ def _factory(
         set(parsed.query) - option_names(own) - option_names(cls.Options)
     )
     if unknown_query:
-        raise TypeError(f"unknown URI query option(s) {', '.join(unknown_query)} in {uri}")
+        raise TypeError(f"unknown URI query option(s) {', '.join(unknown_query)} in {parsed}")
     resolved_own = resolve_options(own, scheme="dcpstore", explicit=own_opts, query=own_query,
                                    environ={})
 

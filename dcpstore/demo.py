@@ -13,7 +13,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,7 @@ def _rank_main(rank: int, world: int, port: int, uri: str, width: int, depth: in
     try:
         model, _ = _build(width, depth, seed=0)
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.layers:
+        for layer in cast(nn.ModuleList, model.layers):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -160,7 +160,8 @@ def run_demo(uri: str | None = None, *, width: int = 512, depth: int = 8, world_
     with _single_process_quiet():
         dcp.load(state, storage_reader=reader, no_dist=True)
     load_seconds = time.perf_counter() - t0
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optim, model_state_dict=cast(Any, state["model"]),
+                   optim_state_dict=cast(Any, state["optim"]))
     got = _digest(state)
     manifest = reader.manifest
     total = manifest.total_bytes if manifest else reader.bytes_read

@@ -39,6 +39,32 @@ _ALLOWED: dict[str, set[str]] = {
 }
 
 
+#: Path classes of ``FileSystemWriter`` subclasses, which DCP pickles into
+#: ``storage_meta.checkpoint_id``. They are never imported: :class:`_ForeignPath` takes
+#: their state instead (e.g. checkpoints written by multi-storage-client's
+#: ``MultiStorageFileSystemWriter``).
+_FOREIGN_PATHS = {("multistorageclient.pathlib", "MultiStoragePath")}
+
+
+class _ForeignPath:
+    """Inert stand-in for another library's path object found in ``.metadata``."""
+
+    path: str = ""
+
+    def __setstate__(self, state: Any) -> None:
+        value = state.get("_path", "") if isinstance(state, dict) else state
+        self.path = str(value)
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"ForeignPath({self.path!r})"
+
+
 def _is_torch_constant(module: str, name: str) -> bool:
     if module != "torch":
         return False
@@ -54,6 +80,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()) or _is_torch_constant(module, name):
             return super().find_class(module, name)
+        if (module, name) in _FOREIGN_PATHS:
+            return _ForeignPath
         raise UnsafeCheckpointError(
             f"{self._source} references {module}.{name}, which a DCP .metadata never "
             "needs; refusing to load it (it could run code). If you wrote this "
