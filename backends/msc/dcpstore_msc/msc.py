@@ -1,0 +1,586 @@
+"""NVIDIA multi-storage-client (MSC) backend: every store MSC reaches, through dcpstore.
+
+URIs: ``msc://profile/path``, resolved through MSC's configuration (``MSC_CONFIG``, its
+search paths such as ``~/.msc_config.yaml``, or a config given as the ``config``
+option). With the feature flag (``backend="msc"`` or ``DCPSTORE_BACKEND=msc``), a
+plain ``s3://``, ``gs://``, ``ais://`` URI or a local path is resolved exactly as MSC
+resolves it: its ``path_mapping`` first, then MSC's implicit profiles
+(``_s3-<bucket>``, ``__filesystem__``) — the Megatron ``MultiStorageClientFeature``
+pattern.
+
+Primitives map onto MSC's ``StorageClient``: ``read(path, byte_range=Range(...))`` for
+ranged reads (run concurrently by the base class), ``write`` for small objects,
+``info``, ``list`` and ``delete_many``. Retries and timeouts are MSC's own (the
+profile's ``retry`` section and the provider's options, e.g. ``connect_timeout``,
+``read_timeout``, ``retries`` for S3): dcpstore does not retry on top of them.
+
+Uploads. MSC has no streaming multipart API, so a data file is buffered in memory up to
+``part_size`` bytes and sent with one ``write``; a larger one spills to a temporary
+file (in ``spool_dir``) that is handed to MSC's ``upload_file`` on commit — for object
+stores that is MSC's parallel multipart upload — and deleted afterwards. For profiles
+on a POSIX file system (no metadata provider) the bytes stream straight into a hidden
+temporary file beside the target and are renamed over it at commit, with no spooling.
+Nothing is visible under the final key before commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import json
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from typing_extensions import Buffer
+
+from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
+from dcpstore.errors import DcpstoreError, StoreTimeoutError
+from dcpstore.uri import ParsedURI
+
+__all__ = [
+    "MSCBackend",
+    "MSCConfigError",
+    "MSCOptions",
+    "ProfileNotFoundError",
+    "StorageNotFoundError",
+]
+
+logger = logging.getLogger(__name__)
+
+MSC_SCHEME = "msc"
+
+
+@dataclass
+class MSCOptions(BackendOptions):
+    """Options of the MSC backend (also ``DCPSTORE_MSC_<NAME>`` variables, URI query).
+
+    Attributes:
+        config: The MSC configuration: a dict (as in ``msc_config.yaml``) or the path of
+            a YAML/JSON config file. Default: MSC's own lookup (``MSC_CONFIG``, then its
+            search paths).
+        part_size: Objects up to this size are uploaded from memory in one request;
+            larger ones are spooled to a temporary file and uploaded by MSC.
+        spool_dir: Directory of the temporary spool files (default: the system's).
+        fsync: On POSIX profiles, ``fsync`` data files before they are renamed into place.
+        max_attempts: dcpstore's own attempts per request. MSC retries by itself (the
+            profile's ``retry`` section), so the default is one.
+    """
+
+    config: dict[str, Any] | str | None = None
+    spool_dir: str | None = None
+    fsync: bool = True
+    max_attempts: int = 1
+    part_size: int = 64 * 1024 * 1024
+
+
+class MSCConfigError(DcpstoreError, ValueError):
+    """The MSC configuration is missing, unreadable or invalid."""
+
+
+class ProfileNotFoundError(MSCConfigError, LookupError):
+    """An ``msc://`` URI names a profile the MSC configuration does not define."""
+
+
+class StorageNotFoundError(DcpstoreError, OSError):
+    """The bucket / container / base directory behind an MSC profile does not exist.
+
+    Not a ``FileNotFoundError``: a missing bucket is a configuration error, never "this
+    checkpoint does not exist yet", so a save refuses to start.
+    """
+
+
+# -- configuration and resolution --------------------------------------------------------
+
+_CLIENTS: dict[tuple[int, str, str], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _load_config(config: dict[str, Any] | str | None) -> tuple[dict[str, Any], str]:
+    """The MSC config dict and where it came from (``""`` when none was found)."""
+    from multistorageclient.config import StorageClientConfig
+
+    if isinstance(config, dict):
+        return config, "the config option"
+    paths = [config] if isinstance(config, str) and config else None
+    if paths and not os.path.isfile(paths[0]):
+        raise MSCConfigError(f"MSC config file {paths[0]!r} (config option) does not exist")
+    try:
+        found, path = StorageClientConfig.read_msc_config(config_file_paths=paths)
+    except Exception as exc:
+        raise MSCConfigError(f"invalid MSC configuration: {exc}") from exc
+    return dict(found or {}), path or ""
+
+
+def _rclone_profiles() -> dict[str, Any]:
+    try:
+        from multistorageclient.rclone import read_rclone_config
+
+        found, _ = read_rclone_config()
+    except Exception:
+        return {}
+    return dict((found or {}).get("profiles", {}))
+
+
+def _search_paths() -> list[str]:
+    from multistorageclient import config as msc_config
+
+    paths = []
+    if os.environ.get("MSC_CONFIG"):
+        paths.append(f"$MSC_CONFIG={os.environ['MSC_CONFIG']}")
+    paths += list(msc_config._find_config_file_paths())
+    return paths
+
+
+def _split_msc_url(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    path = "/".join(s for s in parts.path.split("/") if s)
+    return parts.netloc, path
+
+
+def _implicit(url: str, config: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """Resolve a non-msc URL against an explicit config, as MSC does for its own config:
+    ``path_mapping`` first, then implicit profiles."""
+    from multistorageclient.config import (
+        RESERVED_POSIX_PROFILE_NAME,
+        SUPPORTED_IMPLICIT_PROFILE_PROTOCOLS,
+        PathMapping,
+        create_implicit_profile_config,
+    )
+
+    found = PathMapping.from_config(config).find_mapping(url)
+    if found is not None:
+        return found[0], found[1], config
+    parts = urlsplit(url)
+    protocol = parts.scheme.lower() if "://" in url else "file"
+    if protocol == "file":
+        profile, path, base = RESERVED_POSIX_PROFILE_NAME, parts.path or url, "/"
+    else:
+        if protocol not in SUPPORTED_IMPLICIT_PROFILE_PROTOCOLS:
+            raise MSCConfigError(
+                f"MSC cannot serve {url}: no path_mapping entry matches it and {protocol}:// "
+                f"has no implicit profile (MSC supports "
+                f"{', '.join(p + '://' for p in SUPPORTED_IMPLICIT_PROFILE_PROTOCOLS)})"
+            )
+        profile = f"_{protocol}-{parts.netloc}"
+        path, base = parts.path.lstrip("/"), parts.netloc
+    merged = copy.deepcopy(config)
+    merged.setdefault("profiles", {})
+    if profile not in merged["profiles"]:
+        merged["profiles"].update(
+            create_implicit_profile_config(profile, protocol, base)["profiles"])
+    return profile, path, merged
+
+
+def _client_for(config: dict[str, Any], profile: str) -> Any:
+    """An MSC StorageClient for ``profile`` of an explicit config (cached per process)."""
+    from multistorageclient import StorageClient, StorageClientConfig
+
+    key = (os.getpid(), json.dumps(config, sort_keys=True, default=str), profile)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            try:
+                cfg = StorageClientConfig.from_dict(config, profile=profile)
+            except Exception as exc:
+                raise MSCConfigError(f"MSC profile {profile!r} is invalid: {exc}") from exc
+            client = StorageClient(cfg)
+            _CLIENTS[key] = client
+        return client
+
+
+# -- uploads -------------------------------------------------------------------------------
+
+
+class _SpooledUpload(Upload):
+    """Memory up to ``part_size``, then a temporary file handed to ``upload_file``."""
+
+    def __init__(self, backend: MSCBackend, key: str) -> None:
+        self.backend = backend
+        self.key = key
+        self._memory = bytearray()
+        self._spool: IO[bytes] | None = None
+        self._size = 0
+        self._closed = False
+
+    def write(self, data: Buffer) -> int:
+        if self._closed:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        view = memoryview(data).cast("B")
+        if self._spool is None and len(self._memory) + len(view) > self.backend.options.part_size:
+            self._spool = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in _cleanup)
+                prefix="dcpstore-msc-", suffix=".spool", dir=self.backend.options.spool_dir,
+                delete=False,
+            )
+            self._spool.write(self._memory)
+            self._memory = bytearray()
+        if self._spool is not None:
+            self._spool.write(view)
+        else:
+            self._memory += view
+        self._size += len(view)
+        return len(view)
+
+    def commit(self) -> ObjectInfo:
+        if self._closed:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        be = self.backend
+        try:
+            client, full = be._client(), be._full(self.key)
+            if self._spool is None:
+                be._call(client.write, full, bytes(self._memory), key=self.key)
+            else:
+                self._spool.flush()
+                be._call(client.upload_file, full, self._spool.name, key=self.key)
+        finally:
+            self._cleanup()
+        return ObjectInfo(self.key, self._size)
+
+    def abort(self) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._closed = True
+        self._memory = bytearray()
+        spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spool.name)
+
+
+class _PosixUpload(Upload):
+    """Straight into ``.<name>.<id>.tmp`` beside the target, renamed over it at commit."""
+
+    def __init__(self, backend: MSCBackend, key: str, path: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.path = path
+        parent, name = os.path.split(path)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._size = 0
+
+    def write(self, data: Buffer) -> int:
+        if self._fd is None:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._size += total
+        return total
+
+    def commit(self) -> ObjectInfo:
+        if self._fd is None:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        fd, self._fd = self._fd, None
+        try:
+            if self.backend.options.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+            raise
+        return ObjectInfo(self.key, self._size)
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+
+# -- the backend ---------------------------------------------------------------------------
+
+
+class MSCBackend(Backend):
+    """A location MSC resolves: ``msc://profile/path``, or (feature flag) any URL or path.
+
+    Args:
+        location: The URL as MSC takes it: ``msc://profile/path``, ``s3://bucket/path``,
+            ``gs://bucket/path`` or an absolute local path.
+        options: :class:`MSCOptions`.
+    """
+
+    Options = MSCOptions
+    name = MSC_SCHEME
+    schemes = ()  # any scheme: msc:// natively, others through the feature flag
+    options: MSCOptions
+
+    @classmethod
+    def from_uri(cls, uri: ParsedURI, options: BackendOptions) -> MSCBackend:
+        """Accept ``msc://`` and, routed by the feature flag, any other URI or path.
+
+        The profile is resolved (and the config checked) here, so a bad profile or a
+        missing config fails on every rank before anything is written.
+        """
+        if uri.scheme == MSC_SCHEME:
+            url = f"msc://{uri.location}"
+        elif uri.scheme == "file":
+            url = uri.location
+        else:
+            url = f"{uri.scheme}://{uri.location}"
+        backend = cls(url, options)
+        backend._client()
+        return backend
+
+    def __init__(self, location: str, options: BackendOptions | None = None) -> None:
+        super().__init__(location.rstrip("/") or location, options)
+        self.profile = ""
+        self.root = ""
+        self._msc: Any = None
+        self._resolve_lock = threading.Lock()
+
+    @property
+    def uri(self) -> str:
+        return self.location
+
+    def _lazy_attributes(self) -> Sequence[str]:
+        return ("_msc",)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_resolve_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._resolve_lock = threading.Lock()
+
+    # -- resolution --------------------------------------------------------------------
+
+    def _client(self) -> Any:
+        client = self._msc
+        if client is not None:
+            return client
+        with self._resolve_lock:
+            if self._msc is None:
+                self._msc, self.profile, self.root = self._resolve()
+            return self._msc
+
+    def _resolve(self) -> tuple[Any, str, str]:
+        url = self.location
+        explicit = self.options.config
+        if url.startswith("msc://"):
+            profile, path = _split_msc_url(url)
+            config, source = _load_config(explicit)
+            self._check_profile(profile, config, source)
+            if explicit is None:
+                import multistorageclient as msc
+
+                client, path = msc.resolve_storage_client(url)
+                return client, profile, path.strip("/")
+            return _client_for(config, profile), profile, path
+        if explicit is None:
+            import multistorageclient as msc
+
+            try:
+                client, path = msc.resolve_storage_client(url)
+            except ValueError as exc:
+                raise MSCConfigError(f"MSC cannot resolve {url}: {exc}") from exc
+            return client, client.profile, _root(path)
+        config, _ = _load_config(explicit)
+        profile, path, merged = _implicit(url, config)
+        return _client_for(merged, profile), profile, _root(path)
+
+    def _check_profile(self, profile: str, config: dict[str, Any], source: str) -> None:
+        from multistorageclient.config import RESERVED_POSIX_PROFILE_NAME
+
+        if not profile:
+            raise MSCConfigError(f"{self.location} names no profile: use msc://profile/path")
+        profiles = {**_rclone_profiles(), **dict(config.get("profiles") or {})}
+        if profile in profiles or profile == RESERVED_POSIX_PROFILE_NAME or (
+            profile.startswith("_") and "-" in profile
+        ):
+            return
+        if not source:
+            raise MSCConfigError(
+                f"no MSC configuration found for {self.location}: set MSC_CONFIG to a "
+                "config file, pass config={...} (or config='path/to/msc_config.yaml'), or "
+                f"create one of: {', '.join(_search_paths())}"
+            )
+        known = ", ".join(sorted(profiles)) or "(none)"
+        raise ProfileNotFoundError(
+            f"MSC profile {profile!r} is not defined in {source}; known profiles: {known}"
+        )
+
+    def _full(self, key: str) -> str:
+        self._client()
+        return f"{self.root}/{key}" if self.root else key
+
+    def _posix_path(self, key: str) -> str | None:
+        client = self._client()
+        if getattr(client, "_metadata_provider", None) is not None:
+            return None
+        try:
+            return client.get_posix_path(self._full(key))  # type: ignore[no-any-return]
+        except Exception:
+            return None
+
+    # -- primitives ----------------------------------------------------------------------
+
+    def _open_upload(self, key: str) -> Upload:
+        path = self._posix_path(key)
+        if path is not None:
+            return _PosixUpload(self, key, path)
+        return _SpooledUpload(self, key)
+
+    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
+        from multistorageclient.types import Range
+
+        data = self._client().read(self._full(key), byte_range=Range(offset=offset,
+                                                                      size=len(out)))
+        if len(data) < len(out):
+            raise EOFError(f"{self.location}/{key} ends at byte {offset + len(data)}, expected "
+                           f"{len(out)} bytes from offset {offset} (object truncated?)")
+        out[:] = memoryview(data)[:len(out)]
+
+    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
+        # object-store PUTs and MSC's POSIX writes (temp file + rename) are atomic
+        self._client().write(self._full(key), bytes(data))
+
+    def _get(self, key: str) -> bytes:
+        return bytes(self._client().read(self._full(key)))
+
+    def _stat(self, key: str) -> ObjectInfo:
+        meta = self._client().info(self._full(key))
+        if getattr(meta, "type", "file") != "file":
+            raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", key)
+        modified = getattr(meta, "last_modified", None)
+        return ObjectInfo(key, int(meta.content_length),
+                          modified.timestamp() if modified is not None else None)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        client = self._client()
+        base = self.root.strip("/")
+        full_prefix = f"{base}/{prefix}" if base else prefix
+        directory = full_prefix.rpartition("/")[0]
+        listing = (directory + "/") if directory else ""
+        if self.root.startswith("/"):
+            listing = "/" + listing
+        try:
+            entries = list(client.list(path=listing))
+        except FileNotFoundError:
+            return
+        for meta in entries:
+            if getattr(meta, "type", "file") != "file":
+                continue
+            name = str(meta.key).lstrip("/")
+            if not name.startswith(full_prefix):
+                continue
+            key = name[len(base) + 1:] if base else name
+            modified = getattr(meta, "last_modified", None)
+            yield ObjectInfo(key, int(meta.content_length),
+                             modified.timestamp() if modified is not None else None)
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        self._client().delete_many([self._full(k) for k in keys])
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _is_retryable(self, exc: BaseException) -> bool:
+        from multistorageclient.types import RetryableError
+
+        return isinstance(exc, RetryableError)  # only if max_attempts > 1: MSC retried
+
+    def _translate_error(self, exc: BaseException, key: str | None) -> BaseException | None:
+        if isinstance(exc, DcpstoreError):
+            return None
+        where = f"{self.location}/{key}" if key else self.location
+        profile = f" (MSC profile {self.profile!r})" if self.profile else ""
+        chain = _chain(exc)
+        code = _s3_code(chain)
+        if code in ("NoSuchBucket",) or _is_missing_container(chain):
+            return StorageNotFoundError(
+                f"the bucket/container behind {self.location}{profile} does not exist: "
+                f"{exc}; create it or fix the profile's base_path"
+            )
+        if isinstance(exc, FileNotFoundError):
+            return FileNotFoundError(errno.ENOENT, f"no such object {where}{profile}: {exc}")
+        if isinstance(exc, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId",
+                                                        "SignatureDoesNotMatch", "Forbidden"):
+            return PermissionError(errno.EACCES, f"permission denied for {where}{profile}: {exc}")
+        if _status(chain) == 416 or isinstance(exc, EOFError):
+            return OSError(f"{where}: byte range past the end of the object: {exc}")
+        if any(_is_timeout(e) for e in chain):
+            return StoreTimeoutError(f"request for {where}{profile} timed out: {exc}")
+        if any(_is_connection(e) for e in chain):
+            return ConnectionError(
+                f"cannot reach the storage of {where}{profile}: {exc}. Check the profile's "
+                "endpoint and that the server is running"
+            )
+        from multistorageclient.types import RetryableError
+
+        if isinstance(exc, (RetryableError, RuntimeError)):
+            return OSError(f"MSC request for {where}{profile} failed: {exc}")
+        return None
+
+
+def _root(path: str) -> str:
+    path = path.rstrip("/")
+    return path if path.startswith("/") else path.strip("/")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out and len(out) < 10:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _s3_code(chain: list[BaseException]) -> str:
+    for e in chain:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+    return ""
+
+
+def _status(chain: list[BaseException]) -> int | None:
+    for e in chain:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return int(status)
+        if "status_code: 416" in str(e):
+            return 416
+    return None
+
+
+def _is_missing_container(chain: list[BaseException]) -> bool:
+    text = " ".join(str(e) for e in chain).lower()
+    return ("nosuchbucket" in text or "bucket does not exist" in text
+            or "containernotfound" in text)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    return isinstance(exc, TimeoutError) or name in (
+        "ConnectTimeoutError", "ReadTimeoutError", "ReadTimeout", "ConnectTimeout")
+
+
+def _is_connection(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    return isinstance(exc, ConnectionError) or name in (
+        "EndpointConnectionError", "ConnectionClosedError", "NewConnectionError",
+        "ConnectionError", "ProxyConnectionError")
