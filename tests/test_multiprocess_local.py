@@ -88,3 +88,22 @@ def _async_save(rank: int, world_size: int, uri: str, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_async_save(tmp_path: Path, kind: str) -> None:
     run_ranks(_async_save, 2, str(tmp_path / kind), kind)
+
+
+def _checkpointer_process_mode(rank: int, world_size: int, root: str) -> list[int]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    ckpt = dcpstore.Checkpointer(root, keep_last=1, async_mode="process")
+    for step in (1, 2):
+        t = distribute_tensor(torch.full((8, 2), float(step)), mesh, [Shard(0)])
+        ckpt.save(step, {"t": t})
+    ckpt.wait()
+    out = {"t": distribute_tensor(torch.zeros(8, 2), mesh, [Shard(0)])}
+    assert ckpt.load(out) == 2
+    assert torch.equal(out["t"].full_tensor(), torch.full((8, 2), 2.0))
+    steps = ckpt.steps()
+    ckpt.close()
+    return steps
+
+
+def test_checkpointer_async_process_mode_with_retention(tmp_path: Path) -> None:
+    assert run_ranks(_checkpointer_process_mode, 2, str(tmp_path)) == [[2], [2]]
