@@ -75,6 +75,11 @@ def test_schemes_and_emulator_env(gcs_server: FakeGCSServer,
     assert isinstance(be, GCSBackend) and be.uri == f"gs://{root}"
     be.put("k", b"v")
     assert dcpstore.open_backend(f"gs://{root}").get("k") == b"v"
+    # never gcsfs's experimental zonal/HNS subclass (it hangs on emulators), whatever
+    # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT says
+    from gcsfs.core import GCSFileSystem
+
+    assert type(be._filesystem()) is GCSFileSystem
     monkeypatch.setenv("DCPSTORE_GS_PART_SIZE", "1MiB")
     assert dcpstore.open_backend(f"gs://{root}?max_concurrency=3").options.max_concurrency == 3
     assert dcpstore.open_backend(f"gs://{root}").options.part_size == 1 << 20

@@ -428,7 +428,7 @@ class MSCBackend(Backend):
         if getattr(client, "_metadata_provider", None) is not None:
             return None
         try:
-            return client.get_posix_path(self._full(key))  # type: ignore[no-any-return]
+            return client.get_posix_path(self._full(key))
         except Exception:
             return None
 
