@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import logging
+import os
+import pickle
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import botocore
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from conftest import S3_TEST_BUCKET
-from servers import S3Server
+from dcpstore_s3 import S3Backend, S3MultipartUpload, S3Options
+from dcpstore_s3.backend import hashed_key, is_data_file, logical_key
+from servers import S3Server, free_port
 
+import dcpstore
+import dcpstore.api
+import dcpstore.writer
+from dcpstore import registry
 from dcpstore.testing import BackendConformance
 
 
@@ -41,3 +65,703 @@ class TestMotoConformance(_S3Conformance):
 
 class TestSeaweedFSConformance(_S3Conformance):
     server_fixture = "seaweedfs_s3"
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _isolated_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test here may see the developer's AWS configuration or reach a real cloud."""
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "DCPSTORE_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "unit-test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "unit-test-secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def _use(server: S3Server, monkeypatch: pytest.MonkeyPatch, *, readonly: bool = False
+         ) -> S3Server:
+    for name, value in server.env(readonly=readonly).items():
+        monkeypatch.setenv(name, value)
+    return server
+
+
+@pytest.fixture(params=["moto_s3", "seaweedfs_s3"])
+def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """Each S3 server in turn, with its credentials in the environment."""
+    return _use(request.getfixturevalue(request.param), monkeypatch)
+
+
+@pytest.fixture
+def moto(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    return _use(moto_s3, monkeypatch)
+
+
+@pytest.fixture
+def seaweed(seaweedfs_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    return _use(seaweedfs_s3, monkeypatch)
+
+
+def _uri(tag: str = "t") -> str:
+    return f"s3://{S3_TEST_BUCKET}/{tag}/{uuid.uuid4().hex[:12]}"
+
+
+def _opts(server: S3Server, **extra: Any) -> dict[str, Any]:
+    return {"endpoint_url": server.endpoint_url, "part_size": 5 * MiB, **extra}
+
+
+def _raw_keys(server: S3Server, uri: str) -> list[str]:
+    prefix = uri.split(f"{S3_TEST_BUCKET}/", 1)[1] + "/"
+    client = server.client()
+    try:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=S3_TEST_BUCKET,
+                                                                  Prefix=prefix)
+        return sorted(o["Key"][len(prefix):] for p in pages for o in p.get("Contents", ()))
+    finally:
+        client.close()
+
+
+def _raw_uploads(server: S3Server, uri: str) -> list[str]:
+    prefix = uri.split(f"{S3_TEST_BUCKET}/", 1)[1] + "/"
+    client = server.client()
+    try:
+        response = client.list_multipart_uploads(Bucket=S3_TEST_BUCKET, Prefix=prefix)
+        return [u["Key"] for u in response.get("Uploads", ())]
+    finally:
+        client.close()
+
+
+def _errors_text(exc: BaseException) -> str:
+    """Everything an exception would show a user: message, chain, traceback."""
+    return "".join(traceback.format_exception(exc))
+
+
+# -- registration and options ------------------------------------------------------------
+
+
+def test_plugin_registered_for_s3_and_s3a() -> None:
+    assert registry.backend_class("s3") is S3Backend
+    assert registry.backend_class("s3a") is S3Backend
+    assert issubclass(S3Backend, dcpstore.Backend)
+    assert issubclass(S3Options, dcpstore.BackendOptions)
+    assert S3Backend.name == "s3" and S3Backend.schemes == ("s3", "s3a")
+    backend = dcpstore.open_backend("s3a://bucket/run7/step-3")
+    assert isinstance(backend, S3Backend)
+    assert (backend.bucket, backend.root, backend.uri) == ("bucket", "run7/step-3/",
+                                                           "s3://bucket/run7/step-3")
+    assert dcpstore.open_backend("s3://bucket").root == ""
+
+
+def test_options_precedence_keyword_query_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DCPSTORE_S3_REGION", "env-region")
+    monkeypatch.setenv("DCPSTORE_S3_PART_SIZE", "6MiB")
+    monkeypatch.setenv("DCPSTORE_S3_MAX_CONCURRENCY", "3")
+    monkeypatch.setenv("DCPSTORE_S3_UNSIGNED_PAYLOAD", "false")
+    monkeypatch.setenv("DCPSTORE_S3_TIMEOUT", "7.5")
+    monkeypatch.setenv("DCPSTORE_S3_PREFIX_STRATEGY", "hash")
+
+    env_only = dcpstore.open_backend("s3://b/p").options
+    assert isinstance(env_only, S3Options)
+    assert (env_only.region, env_only.part_size, env_only.max_concurrency) == (
+        "env-region", 6 * MiB, 3)
+    assert env_only.unsigned_payload is False and env_only.timeout == 7.5
+    assert env_only.prefix_strategy == "hash"
+
+    uri = "s3://b/p?region=query-region&part_size=7MiB&addressing_style=path&anonymous=yes"
+    query = dcpstore.open_backend(uri).options
+    assert (query.region, query.part_size, query.addressing_style, query.anonymous) == (
+        "query-region", 7 * MiB, "path", True)
+
+    keyword = dcpstore.get_writer(uri, region="kw-region", part_size=8 * MiB,
+                                  overwrite=True).backend.options
+    assert (keyword.region, keyword.part_size, keyword.max_concurrency) == (
+        "kw-region", 8 * MiB, 3)
+    reader = dcpstore.get_reader(uri, region="kw-region", verify=False)
+    assert reader.backend.options.region == "kw-region"
+
+
+def test_options_reach_the_client() -> None:
+    backend = dcpstore.open_backend(
+        "s3://bucket/p", endpoint_url="https://s3.example.invalid:9000", region="eu-west-3",
+        addressing_style="virtual", timeout=12, connect_timeout=3, max_concurrency=5)
+    assert isinstance(backend, S3Backend)
+    meta = backend.client.meta  # creating a client sends nothing
+    assert meta.region_name == "eu-west-3"
+    assert meta.endpoint_url == "https://s3.example.invalid:9000"
+    cfg = meta.config
+    assert cfg.read_timeout == 12 and cfg.connect_timeout == 3
+    assert cfg.retries["total_max_attempts"] == 1  # dcpstore retries, botocore does not
+    assert cfg.s3["payload_signing_enabled"] is False  # unsigned payload over https
+    assert cfg.s3["addressing_style"] == "virtual"
+    assert cfg.max_pool_connections >= 5
+    signed = dcpstore.open_backend("s3://bucket/p", unsigned_payload=False)
+    assert signed.client.meta.config.s3["payload_signing_enabled"] is True  # type: ignore[attr-defined]
+    anonymous = dcpstore.open_backend("s3://bucket/p", anonymous=True)
+    assert anonymous.client.meta.config.signature_version is botocore.UNSIGNED  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"part_size": MiB}, "5 MiB"),
+        ({"part_size": 6 * 1024 * MiB}, "5 GiB"),
+        ({"addressing_style": "sideways"}, "addressing_style"),
+        ({"prefix_strategy": "random"}, "prefix_strategy"),
+        ({"endpoint_url": "ftp://127.0.0.1:1"}, "endpoint_url"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"connect_timeout": 0}, "connect_timeout"),
+    ],
+)
+def test_invalid_options_refused(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dcpstore.open_backend("s3://bucket/p", **options)
+
+
+def test_unknown_option_refused() -> None:
+    with pytest.raises(TypeError, match="aws_secret_access_key"):
+        dcpstore.open_backend("s3://bucket/p", aws_secret_access_key="x")
+
+
+# -- credentials and endpoints -------------------------------------------------------------
+
+
+def test_endpoint_and_credentials_from_the_aws_environment(
+    moto: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.randn(16)}
+    for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+        monkeypatch.setenv(variable, moto.endpoint_url)
+        uri = _uri("env-endpoint")
+        dcpstore.save(state, uri)  # no endpoint option: botocore's standard resolution
+        out = {"w": torch.zeros(16)}
+        dcpstore.load(out, uri)
+        assert torch.equal(out["w"], state["w"])
+        assert ".metadata" in _raw_keys(moto, uri)
+
+
+def test_secrets_never_leak(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch,
+                            caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # botocore's DEBUG logs included
+    secret = seaweed.secret_key
+    wrong = "wrong-" + secrets.token_hex(16)
+    uri = _uri("secrets")
+    opts = _opts(seaweed)
+    shown: list[str] = []
+
+    dcpstore.save({"w": torch.randn(4), "o": {"x": 1}}, uri, **opts)
+    out: dict[str, Any] = {"w": torch.zeros(4), "o": {"x": 0}}
+    dcpstore.load(out, uri, **opts)
+    backend = dcpstore.open_backend(uri, **opts)
+    backend.list()
+    shown += [repr(backend), str(backend.options), repr(dcpstore.get_writer(uri, **opts)),
+              repr(dcpstore.get_reader(uri, **opts)), repr(backend.client)]
+    pickled = pickle.dumps(dcpstore.get_writer(uri, **opts))
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    bad = dcpstore.open_backend(uri, **opts)
+    with pytest.raises(PermissionError, match="SignatureDoesNotMatch|AccessDenied") as denied:
+        bad.get(".metadata")
+    shown.append(_errors_text(denied.value))
+    with pytest.raises(PermissionError) as denied_save:
+        dcpstore.save({"w": torch.randn(4)}, _uri("secrets"), **opts)
+    shown.append(_errors_text(denied_save.value))
+
+    with pytest.raises(ValueError) as in_endpoint:
+        dcpstore.open_backend(uri, endpoint_url=f"http://user:{secret}@127.0.0.1:1")
+    with pytest.raises(dcpstore.InvalidURIError) as in_uri:
+        dcpstore.open_backend(f"s3://AKID:{secret}@{S3_TEST_BUCKET}/x")
+    with pytest.raises(TypeError) as in_query:
+        dcpstore.get_writer(f"s3://{S3_TEST_BUCKET}/x?aws_secret_access_key={secret}")
+    shown += [_errors_text(e.value) for e in (in_endpoint, in_uri, in_query)]
+
+    logs = "\n".join(r.getMessage() for r in caplog.records)
+    assert "DeleteObjects" in logs or "PutObject" in logs or "Making request" in logs, (
+        "botocore's DEBUG logs were not captured")
+    for text in [*shown, logs]:
+        assert secret not in text
+        assert wrong not in text
+    assert secret.encode() not in pickled
+
+
+# -- errors: specific and prompt ---------------------------------------------------------
+
+
+def test_missing_bucket(s3: S3Server) -> None:
+    bucket = "dcpstore-no-such-bucket-" + uuid.uuid4().hex[:8]
+    uri = f"s3://{bucket}/ckpt"
+    opts = _opts(s3)
+    started = time.monotonic()
+    backend = dcpstore.open_backend(uri, **opts)
+    with pytest.raises(FileNotFoundError, match=f"bucket '{bucket}' does not exist"):
+        backend.get(".metadata")
+    with pytest.raises(FileNotFoundError, match=bucket):
+        dcpstore.save({"w": torch.randn(4)}, uri, **opts)
+    with pytest.raises(dcpstore.CheckpointNotFoundError, match=bucket):
+        dcpstore.load({"w": torch.zeros(4)}, uri, **opts)
+    assert time.monotonic() - started < 10
+    assert backend.request_counts == {"get_object": 1}  # not retried
+
+
+def test_access_denied(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = _uri("denied")
+    opts = _opts(seaweed)
+    dcpstore.save({"w": torch.randn(4)}, uri, **opts)
+
+    _use(seaweed, monkeypatch, readonly=True)
+    reader = dcpstore.open_backend(uri, **opts)
+    assert reader.exists(".metadata")  # reading is allowed
+    with pytest.raises(PermissionError, match="AccessDenied") as denied:
+        reader.put("x", b"1")
+    assert "request id" in str(denied.value) and f"s3://{S3_TEST_BUCKET}/" in str(denied.value)
+    assert reader.request_counts.get("put_object") == 1  # not retried
+    with pytest.raises(PermissionError):
+        dcpstore.save({"w": torch.randn(4)}, uri, overwrite=True, **opts)
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "no-such-key-id")
+    with pytest.raises(PermissionError, match="InvalidAccessKeyId|AccessDenied|Signature"):
+        dcpstore.open_backend(uri, **opts).get(".metadata")
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.access_key)
+    anonymous = dcpstore.open_backend(uri, anonymous=True, **opts)
+    with pytest.raises(PermissionError):
+        anonymous.get(".metadata")
+
+
+def test_unreachable_endpoint_fails_fast() -> None:
+    port = free_port()  # nothing listens there
+    uri = _uri("unreachable")
+    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "max_attempts": 2,
+            "retry_backoff": 0.01}
+    started = time.monotonic()
+    backend = dcpstore.open_backend(uri, **opts)
+    with pytest.raises(ConnectionError, match=f"cannot reach the S3 endpoint "
+                                              f"http://127.0.0.1:{port}"):
+        backend.get(".metadata")
+    assert backend.request_counts == {"get_object": 2}
+    with pytest.raises(ConnectionError, match="cannot reach"):
+        dcpstore.save({"w": torch.randn(4)}, uri, **opts)
+    assert time.monotonic() - started < 10
+
+
+@contextlib.contextmanager
+def _silent_server() -> Iterator[int]:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    sock.settimeout(0.1)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        sock.close()
+
+
+def test_stuck_request_times_out() -> None:
+    with _silent_server() as port:
+        backend = dcpstore.open_backend(
+            _uri("stuck"), endpoint_url=f"http://127.0.0.1:{port}", timeout=0.5,
+            max_attempts=2, retry_backoff=0.01)
+        started = time.monotonic()
+        with pytest.raises(dcpstore.StoreTimeoutError, match="timed out"):
+            backend.get("k")
+        assert time.monotonic() - started < 5
+        assert backend.request_counts == {"get_object": 2}
+        backend.close()
+
+
+class _ScriptedS3(http.server.ThreadingHTTPServer):
+    """An HTTP server answering S3 requests from a script of (status, error code)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ScriptedHandler)
+        self.script: list[tuple[int, str | None]] = []
+        self.requests: list[str] = []
+
+
+class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
+    server: _ScriptedS3
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        self.server.requests.append(f"{self.command} {self.path}")
+        status, code = self.server.script.pop(0) if self.server.script else (200, None)
+        if code == "drop":  # a connection dropped without an answer
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        request_id = f"req-{len(self.server.requests)}"
+        body = b"payload!" if code is None else (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+            f"<Message>scripted {code}</Message><RequestId>{request_id}</RequestId></Error>"
+        ).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml" if code else "binary/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("x-amz-request-id", request_id)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[_ScriptedS3]:
+    server = _ScriptedS3()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_retries_throttling_5xx_and_dropped_connections(
+    scripted: _ScriptedS3, caplog: pytest.LogCaptureFixture
+) -> None:
+    opts = {"endpoint_url": f"http://127.0.0.1:{scripted.server_address[1]}",
+            "max_attempts": 5, "retry_backoff": 0.01}
+    backend = dcpstore.open_backend("s3://bucket/ckpt", **opts)
+    scripted.script = [(503, "SlowDown"), (500, "InternalError"), (200, "drop"),
+                       (429, "TooManyRequests")]
+    with caplog.at_level(logging.WARNING):
+        assert backend.get("k") == b"payload!"
+    assert backend.request_counts == {"get_object": 5}
+    assert len(scripted.requests) == 5  # botocore did not retry on its own
+    assert "SlowDown" in caplog.text and "retrying" in caplog.text
+
+    backend.reset_stats()
+    scripted.script = [(503, "SlowDown")] * 5
+    with pytest.raises(OSError, match=r"SlowDown.*req-\d+") as exhausted:
+        backend.get("k")
+    assert "5 attempt(s)" in str(exhausted.value)
+    assert backend.request_counts == {"get_object": 5}
+
+    for status, code, error in [(403, "AccessDenied", PermissionError),
+                                (404, "NoSuchKey", FileNotFoundError),
+                                (400, "InvalidArgument", OSError)]:
+        backend.reset_stats()
+        scripted.script = [(status, code)]
+        with pytest.raises(error, match=rf"{code}.*HTTP {status}, request id req-\d+"):
+            backend.get("k")
+        assert backend.request_counts == {"get_object": 1}  # not retried
+
+
+# -- saves and loads: streaming, bounded, efficient ------------------------------------------
+
+
+def test_parts_upload_while_writing_bounded(moto: S3Server,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = dcpstore.open_backend(_uri("stream"), **_opts(moto, max_concurrency=2))
+    assert isinstance(backend, S3Backend)
+    active = 0
+    peak = 0
+    lock = threading.Lock()
+    original = S3MultipartUpload._upload_part
+
+    def tracked(self: S3MultipartUpload, upload_id: str, number: int, data: memoryview) -> Any:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        try:
+            time.sleep(0.05)
+            return original(self, upload_id, number, data)
+        finally:
+            with lock:
+                active -= 1
+
+    monkeypatch.setattr(S3MultipartUpload, "_upload_part", tracked)
+    part = 5 * MiB
+    chunk = bytes(range(256)) * (MiB // 256)
+    upload = backend.open_upload("big.distcp")
+    for _ in range(5 * part // MiB):
+        upload.write(chunk)
+    assert isinstance(upload, S3MultipartUpload)
+    upload._drain()  # parts went up while we were still writing, before any commit
+    counts = backend.request_counts
+    assert counts["create_multipart_upload"] == 1 and counts["upload_part"] == 5
+    assert "complete_multipart_upload" not in counts
+    assert not backend.exists("big.distcp")  # not visible before commit
+    upload.write(b"tail")
+    assert upload.commit().size == 5 * part + 4
+    assert peak <= 2  # max_concurrency bounds the parts in flight (and the memory)
+    assert backend.request_counts["upload_part"] == 6
+    assert backend.bytes_written == 5 * part + 4
+    assert backend.stat("big.distcp").size == 5 * part + 4
+
+
+def test_small_objects_are_one_put(moto: S3Server) -> None:
+    backend = dcpstore.open_backend(_uri("small"), **_opts(moto))
+    assert isinstance(backend, S3Backend)
+    with backend.open_upload("__0_0.distcp") as upload:
+        upload.write(b"x" * 1000)
+        upload.commit()
+    backend.put(".metadata", b"m", atomic=True)
+    assert backend.request_counts == {"put_object": 2}
+
+
+def test_save_requests_scale_with_files_not_tensors(moto: S3Server) -> None:
+    uri = _uri("requests")
+    writer = dcpstore.get_writer(uri, **_opts(moto))
+    dcp.save({f"t{i}": torch.randn(64) for i in range(300)}, storage_writer=writer,
+             no_dist=True)
+    backend = writer.backend
+    assert isinstance(backend, S3Backend)
+    # coordinator: one existence check (.metadata); data file, manifest, .metadata: a PUT each
+    assert backend.request_counts == {"get_object": 1, "put_object": 3}
+
+    uri = _uri("requests")
+    writer = dcpstore.get_writer(uri, files_per_rank=2, **_opts(moto))
+    state = {f"t{i}": torch.randn(64 * 1024) for i in range(48)}  # 12 MiB in 48 tensors
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    counts = writer.backend.request_counts  # type: ignore[attr-defined]
+    assert counts == {"get_object": 1, "put_object": 2, "create_multipart_upload": 2,
+                      "upload_part": 4, "complete_multipart_upload": 2}
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcpstore.load(out, uri, **_opts(moto))
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_partial_load_fetches_only_needed_bytes(s3: S3Server) -> None:
+    uri = _uri("partial")
+    state = {f"t{i}": torch.randn(256, 64) for i in range(8)}  # 64 KiB each
+    dcpstore.save(state, uri, **_opts(s3))
+    backend = dcpstore.open_backend(uri, **_opts(s3))
+    small = sum(backend.stat(k).size for k in [".metadata"] + [
+        o.key for o in backend.list(".dcpstore-")])
+    planner = dcpstore.api.CheckedLoadPlanner(allow_partial_load=True)
+
+    for gap, requests in [(0, 2), (1 * MiB, 1)]:
+        reader = dcpstore.get_reader(uri, coalesce_gap=gap, **_opts(s3))
+        out = {"t3": torch.zeros(256, 64), "t6": torch.zeros(256, 64)}
+        dcp.load(out, storage_reader=reader, planner=planner, no_dist=True)
+        assert torch.equal(out["t3"], state["t3"]) and torch.equal(out["t6"], state["t6"])
+        fetched = reader.backend
+        assert isinstance(fetched, S3Backend)
+        assert reader.requests == requests
+        # .metadata and manifest, then exactly the ranges the reader planned
+        assert fetched.request_counts == {"get_object": 2 + requests}
+        assert fetched.bytes_read == small + reader.bytes_read
+        item = reader.bytes_needed // 2
+        if gap == 0:
+            assert reader.bytes_read == reader.bytes_needed
+        else:  # t4 and t5 lie between t3 and t6: the coalescing gap, nothing more
+            assert reader.bytes_needed < reader.bytes_read <= reader.bytes_needed + 2 * item
+
+
+def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = _uri("interrupted")
+    state = {"a": torch.randn(2 * MiB), "b": torch.randn(2 * MiB)}  # 8 MiB each
+    created: list[str] = []
+    original_create = S3MultipartUpload._create
+
+    def create(self: S3MultipartUpload) -> str:
+        created.append(self.key)
+        return original_create(self)
+
+    prepared = 0
+    original_prepare = dcpstore.writer._prepare_tensor
+
+    def prepare(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal prepared
+        prepared += 1
+        if prepared == 2:
+            raise RuntimeError("serializer crashed mid-write")
+        return original_prepare(tensor)
+
+    monkeypatch.setattr(S3MultipartUpload, "_create", create)
+    monkeypatch.setattr(dcpstore.writer, "_prepare_tensor", prepare)
+    with pytest.raises(RuntimeError, match="mid-write"):
+        dcpstore.save(state, uri, **_opts(s3))
+    assert created, "the failed save had not started a multipart upload"
+    backend = dcpstore.open_backend(uri, **_opts(s3))
+    assert backend.list() == []
+    assert backend.list_uploads() == []
+    assert _raw_keys(s3, uri) == [] and _raw_uploads(s3, uri) == []
+    with pytest.raises(dcpstore.CheckpointNotFoundError):
+        dcpstore.load({"a": torch.zeros(2 * MiB)}, uri, **_opts(s3))
+
+
+@pytest.mark.parametrize("strategy", ["none", "hash"])
+def test_dangling_uploads_listed_and_aborted(s3: S3Server, strategy: str) -> None:
+    backend = dcpstore.open_backend(_uri("dangling"), **_opts(s3, prefix_strategy=strategy))
+    key = "__3_0.0123456789abcdef.distcp"
+    upload = backend.open_upload(key)
+    upload.write(bytes(5 * MiB + 10))
+    assert isinstance(upload, S3MultipartUpload)
+    upload._drain()  # a rank that crashed here leaves an open multipart upload
+    uploads = backend.list_uploads()
+    assert [k for k, _ in uploads] == [key]
+    assert backend.list_uploads("__3") == uploads
+    assert backend.list_uploads("other/") == []
+    backend.abort_uploads(uploads)
+    assert backend.list_uploads() == []
+    assert not backend.exists(key)
+    backend.abort_uploads(uploads)  # already gone: not an error
+
+
+# -- prefix strategy ------------------------------------------------------------------------
+
+
+def test_hash_key_mapping() -> None:
+    name = "__0_1.00ff00ff00ff00ff.distcp"
+    physical = hashed_key(name)
+    assert re.fullmatch(r"[0-9a-f]{2}/" + re.escape(name), physical)
+    assert hashed_key("step-1/" + name) == "step-1/" + physical
+    assert logical_key(physical) == name and logical_key("step-1/" + physical) == "step-1/" + name
+    assert logical_key("zz/" + name) == "zz/" + name  # not a hash of the name: left alone
+    assert logical_key(".metadata") == ".metadata"
+    assert is_data_file(name) and is_data_file("a/" + name) and not is_data_file(".metadata")
+    spread = {hashed_key(f"__{r}_0.00ff00ff00ff00ff.distcp")[:2] for r in range(64)}
+    assert len(spread) > 32
+
+
+def test_hash_prefix_strategy_is_transparent(s3: S3Server) -> None:
+    uri = _uri("hashed")
+    opts = _opts(s3, prefix_strategy="hash")
+    state = {"w": torch.randn(100), "b": torch.arange(10), "o": {"k": 1}}
+    dcpstore.save(state, uri, files_per_rank=3, **opts)
+
+    raw = _raw_keys(s3, uri)
+    data = [k for k in raw if k.endswith(".distcp")]
+    assert len(data) >= 2
+    assert all(re.fullmatch(r"[0-9a-f]{2}/__0_\d\.[0-9a-f]+\.distcp", k) for k in data), raw
+    assert ".metadata" in raw and any(k.startswith(".dcpstore-") for k in raw)
+
+    backend = dcpstore.open_backend(uri, **opts)
+    logical = [o.key for o in backend.list()]
+    assert sorted(logical) == sorted([k.split("/", 1)[1] for k in data] + [
+        k for k in raw if not k.endswith(".distcp")])
+    assert [o.key for o in backend.list("__")] == sorted(k.split("/", 1)[1] for k in data)
+    first = backend.list("__")[0]
+    assert backend.stat(first.key).size == first.size and backend.exists(first.key)
+
+    for reader_opts in (opts, _opts(s3)):  # loads by its root URI, with either strategy
+        out: dict[str, Any] = {"w": torch.zeros(100), "b": torch.zeros(10, dtype=torch.int64),
+                               "o": {"k": 0}}
+        dcpstore.load(out, uri, **reader_opts)
+        assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+        assert out["o"] == {"k": 1}
+
+    dcpstore.save({"w": torch.ones(100)}, uri, overwrite=True, **opts)
+    after = _raw_keys(s3, uri)
+    assert not set(data) & set(after), "the overwritten save's hashed files were left"
+    assert len([k for k in after if k.endswith(".distcp")]) == 1
+
+
+# -- compatibility with torch's fsspec reader and writer ---------------------------------
+
+
+def test_torch_fsspec_reader_and_writer_interoperate(s3: S3Server) -> None:
+    pytest.importorskip("s3fs")
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    state = {"w": torch.randn(20, 7), "n": {"b": torch.arange(5)}, "step": 3}
+
+    def empty() -> dict[str, Any]:
+        return {"w": torch.zeros(20, 7), "n": {"b": torch.zeros(5, dtype=torch.int64)},
+                "step": 0}
+
+    uri = _uri("to-torch")
+    dcpstore.save(state, uri, **_opts(s3))
+    out = empty()
+    dcp.load(out, storage_reader=FsspecReader(uri, **s3.storage_options()), no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["n"]["b"], state["n"]["b"])
+    assert out["step"] == 3
+
+    uri = _uri("from-torch")
+    dcp.save(state, storage_writer=FsspecWriter(uri, **s3.storage_options()), no_dist=True)
+    out = empty()
+    dcpstore.load(out, uri, **_opts(s3))
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["n"]["b"], state["n"]["b"])
+    assert out["step"] == 3
+
+
+def test_s3a_scheme_roundtrip(moto: S3Server) -> None:
+    uri = _uri("s3a").replace("s3://", "s3a://")
+    dcpstore.save({"w": torch.arange(6.0)}, uri, **_opts(moto))
+    out = {"w": torch.zeros(6)}
+    dcpstore.load(out, uri.replace("s3a://", "s3://"), **_opts(moto))
+    assert torch.equal(out["w"], torch.arange(6.0))
+
+
+def test_signed_payloads_work_too(moto: S3Server) -> None:
+    backend = dcpstore.open_backend(_uri("signed"), **_opts(moto, unsigned_payload=False))
+    with backend.open_upload("__0_0.distcp") as upload:
+        upload.write(bytes(5 * MiB + 1))
+        upload.commit()
+    assert backend.stat("__0_0.distcp").size == 5 * MiB + 1
+
+
+# -- multi-process: FSDP2 on 4 gloo ranks, resharded to 2 and 1 -------------------------
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_save_4_ranks_load_at_2_and_1(seaweed: S3Server, tmp_path: Path) -> None:
+    from s3_multiprocess import fsdp_load, fsdp_save, run_ranks
+
+    uri = _uri("fsdp")
+    opts = _opts(seaweed)
+    reference = str(tmp_path / "reference.pt")
+    saved = run_ranks(fsdp_save, 4, uri, opts, reference)
+
+    for rank, result in enumerate(saved):
+        requests = result["requests"]
+        assert result["coordinator"] == (rank == 0)
+        if rank == 0:  # one existence check; its data file, the manifest, .metadata
+            assert requests == {"get_object": 1, "put_object": 3}, requests
+        else:  # only the coordinator lists, checks existence or reads
+            assert requests == {"put_object": 1}, (rank, requests)
+
+    for world_size in (2, 1):
+        loaded = run_ranks(fsdp_load, world_size, uri, opts, reference)
+        assert loaded[0]["mismatches"] == [], (world_size, loaded[0]["mismatches"])
+        # 8 parameters, and AdamW's step, exp_avg, exp_avg_sq of each
+        assert loaded[0]["tensors_compared"] == 8 * 4
+
+
+@pytest.mark.multiprocess
+def test_cli_demo_with_endpoint_from_aws_env(moto: S3Server, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCPSTORE_")}
+    env["AWS_ENDPOINT_URL"] = moto.endpoint_url
+    uri = _uri("demo")
+    done = subprocess.run(
+        [sys.executable, "-m", "dcpstore", "demo", "--uri", uri, "--width", "32"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bit-exact" in done.stdout
+    assert ".metadata" in _raw_keys(moto, uri)

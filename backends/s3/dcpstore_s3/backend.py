@@ -74,6 +74,7 @@ from botocore.exceptions import (
 from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
 from dcpstore.errors import StoreTimeoutError
 from dcpstore.multipart import MultipartUpload
+from dcpstore.uri import validate_key
 
 __all__ = [
     "MAX_PARTS",
@@ -691,20 +692,26 @@ class S3Backend(Backend):
     def abort_uploads(self, uploads: Iterable[tuple[str, str]]) -> None:
         """Abort unfinished multipart uploads returned by :meth:`list_uploads`."""
         for key, upload_id in uploads:
+            validate_key(key)
+            candidates = [self._physical(key)]
+            other = self._alternative(key)  # a data file's upload may use either layout
+            if other is not None:
+                candidates.append(other)
 
-            def abort(physical: str, upload_id: str = upload_id) -> None:
-                self._request("abort_multipart_upload", Bucket=self.bucket, Key=physical,
-                              UploadId=upload_id)
+            def run(candidates: list[str] = candidates, upload_id: str = upload_id) -> bool:
+                for physical in candidates:
+                    try:
+                        self._request("abort_multipart_upload", Bucket=self.bucket,
+                                      Key=physical, UploadId=upload_id)
+                        return True
+                    except ClientError as exc:
+                        code, status, _, _ = _error_info(exc)
+                        if code != "NoSuchUpload" and status != 404:
+                            raise
+                return False  # already completed or aborted
 
-            def run(key: str = key, abort: Any = abort) -> None:
-                try:
-                    self._with_fallback(key, abort)
-                except ClientError as exc:
-                    if not _is_not_found(exc):
-                        raise
-
-            self._call(run, key=key)
-            logger.info("aborted multipart upload %s of %s", upload_id, self._url(key))
+            if self._call(run, key=key):
+                logger.info("aborted multipart upload %s of %s", upload_id, self._url(key))
 
     # -- errors ----------------------------------------------------------------------------
 
