@@ -60,5 +60,5 @@ def is_checkpoint_object(key: str) -> bool:
         name == METADATA_KEY
         or bool(_DATA_RE.match(name))
         or bool(_MANIFEST_RE.match(name))
-        or (name.startswith(".metadata.") and name.endswith(".tmp"))
+        or (name.endswith(".tmp") and ".metadata." in name)  # an interrupted atomic put
     )

@@ -1,0 +1,382 @@
+"""Operations on whole checkpoints: list, inspect, verify, copy, remove, garbage-collect.
+
+These are what the ``dcpstore`` CLI runs; they work on any backend. Byte-moving
+operations take a ``progress`` callback receiving byte counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from . import layout
+from .api import open_backend
+from .backend import Backend, ObjectInfo, ReadRange
+from .checkpointer import delete_checkpoint
+from .errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError
+from .manifest import SAVE_ID_PREFIX, FileRecord, Manifest, crc32c
+from .safe_pickle import safe_loads
+
+__all__ = [
+    "CheckpointInfo",
+    "GcReport",
+    "VerifyReport",
+    "copy_checkpoint",
+    "gc",
+    "inspect_checkpoint",
+    "list_checkpoints",
+    "remove_checkpoint",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+_CHUNK = 8 * 1024 * 1024
+_STEP_RE = re.compile(r"(?:^|/)step-(\d+)$")
+_RANK_RE = re.compile(r"^__(\d+)_")
+
+
+def _noop(_: int) -> None:
+    pass
+
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint (or incomplete save) found under a root."""
+
+    path: str
+    committed: bool
+    size: int
+    files: int
+    mtime: float | None
+    step: int | None = None
+    world_size: int | None = None
+
+
+def _group_by_dir(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
+    groups: dict[str, list[ObjectInfo]] = {}
+    for obj in objects:
+        head, _, name = obj.key.rpartition("/")
+        if layout.is_checkpoint_object(name):
+            groups.setdefault(head, []).append(obj)
+    return groups
+
+
+def _read_manifest(backend: Backend, save_id: Any) -> Manifest | None:
+    if not (isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)):
+        return None
+    key = layout.manifest_key(save_id)
+    try:
+        return Manifest.from_bytes(backend.get(key), source=f"{backend.uri}/{key}")
+    except FileNotFoundError:
+        return None
+
+
+def _read_metadata(backend: Backend) -> Metadata:
+    try:
+        raw = backend.get(layout.METADATA_KEY)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {backend.uri} (no .metadata)") from None
+    md = safe_loads(raw, source=f"{backend.uri}/.metadata")
+    if not isinstance(md, Metadata):
+        raise IntegrityError(f"{backend.uri}/.metadata is not DCP metadata")
+    return md
+
+
+def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
+    """Checkpoints (committed or incomplete) under ``root_uri``, one listing."""
+    root = open_backend(root_uri, **options)
+    out = []
+    for head, objs in sorted(_group_by_dir(root.list()).items()):
+        committed = any(o.key.endswith(layout.METADATA_KEY) and
+                        o.key.rpartition("/")[2] == layout.METADATA_KEY for o in objs)
+        m = _STEP_RE.search(head)
+        info = CheckpointInfo(
+            path=head or ".",
+            committed=committed,
+            size=sum(o.size for o in objs),
+            files=sum(o.key.endswith(".distcp") for o in objs),
+            mtime=max((o.mtime for o in objs if o.mtime is not None), default=None),
+            step=int(m.group(1)) if m else None,
+        )
+        if committed:
+            ckpt = root.child(head) if head else root
+            try:
+                save_id = getattr(_read_metadata(ckpt).storage_meta, "save_id", None)
+                manifest = _read_manifest(ckpt, save_id)
+                info.world_size = manifest.world_size if manifest else None
+            except Exception as exc:  # listing must not fail on one damaged checkpoint
+                logger.warning("%s: %s", head, exc)
+        out.append(info)
+    root.close()
+    return out
+
+
+def inspect_checkpoint(uri: str, **options: Any) -> dict[str, Any]:
+    """Keys, dtypes, shapes, sharding, files and versions of one checkpoint."""
+    backend = open_backend(uri, **options)
+    md = _read_metadata(backend)
+    manifest = _read_manifest(backend, getattr(md.storage_meta, "save_id", None))
+    ranks_by_key: dict[str, set[int]] = {}
+    for index, info in (md.storage_data or {}).items():
+        m = _RANK_RE.match(info.relative_path)
+        if m:
+            ranks_by_key.setdefault(index.fqn, set()).add(int(m.group(1)))
+    keys = []
+    total = 0
+    for fqn, item in sorted(md.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            nbytes = math.prod(item.size) * item.properties.dtype.itemsize
+            total += nbytes
+            keys.append({"key": fqn, "kind": "tensor", "dtype": str(item.properties.dtype)
+                         .removeprefix("torch."), "shape": list(item.size), "bytes": nbytes,
+                         "chunks": len(item.chunks), "ranks": len(ranks_by_key.get(fqn, ()))})
+        else:
+            keys.append({"key": fqn, "kind": "object", "dtype": None, "shape": None,
+                         "bytes": None, "chunks": 1, "ranks": len(ranks_by_key.get(fqn, ()))})
+    files = ({k: v.size for k, v in sorted(manifest.files.items())} if manifest else
+             {o.key: o.size for o in backend.list("__")
+              if o.key in {i.relative_path for i in (md.storage_data or {}).values()}})
+    backend.close()
+    return {
+        "uri": uri,
+        "save_id": getattr(md.storage_meta, "save_id", None),
+        "world_size": manifest.world_size if manifest else len(
+            {r for rs in ranks_by_key.values() for r in rs}),
+        "dcpstore_version": manifest.dcpstore_version if manifest else None,
+        "torch_version": manifest.torch_version if manifest else None,
+        "created": manifest.created if manifest else None,
+        "tensor_bytes": total,
+        "stored_bytes": sum(files.values()),
+        "keys": keys,
+        "files": files,
+        "verified_by_manifest": manifest is not None,
+    }
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` checked and what it found."""
+
+    uri: str
+    files: int = 0
+    items: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    has_manifest: bool = True
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _ordered_chunks(backend: Backend, key: str, start: int, length: int) -> Iterator[memoryview]:
+    """The bytes of ``key[start:start+length]`` in order, fetched concurrently in chunks."""
+    ranges = [ReadRange(key, off, min(_CHUNK, start + length - off))
+              for off in range(start, start + length, _CHUNK)]
+    waiting: dict[int, memoryview] = {}
+    nxt = 0
+    for index, buf in backend.read_ranges(ranges):
+        waiting[index] = buf
+        while nxt in waiting:
+            yield waiting.pop(nxt)
+            nxt += 1
+
+
+def verify_checkpoint(uri: str, *, progress: Progress = _noop, concurrency: int = 4,
+                      **options: Any) -> VerifyReport:
+    """Re-read every data file and check sizes and CRC32C against the manifest."""
+    started = time.perf_counter()
+    backend = open_backend(uri, **options)
+    report = VerifyReport(uri)
+    md = _read_metadata(backend)
+    manifest = _read_manifest(backend, getattr(md.storage_meta, "save_id", None))
+    names = {(i.relative_path, i.offset): idx.fqn for idx, i in (md.storage_data or {}).items()}
+    if manifest is None:
+        report.has_manifest = False
+        expected = {i.relative_path for i in (md.storage_data or {}).values()}
+        records = {}
+        for path in sorted(expected):
+            try:
+                size = backend.stat(path).size
+            except FileNotFoundError:
+                report.errors.append(f"{path}: missing")
+                continue
+            records[path] = FileRecord(size, -1, [])
+    else:
+        records = dict(manifest.files)
+
+    def check(path: str, rec: FileRecord) -> tuple[int, int, list[str]]:
+        errors: list[str] = []
+        try:
+            size = backend.stat(path).size
+        except FileNotFoundError:
+            return 0, 0, [f"{path}: missing"]
+        if size != rec.size:
+            errors.append(f"{path}: size {size}, manifest says {rec.size}")
+        file_crc = 0
+        items = sorted(rec.items) or [(0, size, -1)]
+        pos = 0
+        for offset, length, item_crc in items:
+            if offset != pos:
+                errors.append(f"{path}: bytes {pos}-{offset} are not covered by any item")
+            crc = 0
+            try:
+                for chunk in _ordered_chunks(backend, path, offset, length):
+                    crc = crc32c(chunk, crc)
+                    file_crc = crc32c(chunk, file_crc)
+                    progress(len(chunk))
+            except OSError as exc:
+                errors.append(f"{path}: item {names.get((path, offset), '?')!r} unreadable: "
+                              f"{exc}")
+                return len(items), pos, errors
+            if item_crc >= 0 and crc != item_crc:
+                errors.append(
+                    f"{path}: CRC32C mismatch in item {names.get((path, offset), '?')!r} "
+                    f"(bytes {offset}-{offset + length}): expected {item_crc:08x}, got {crc:08x}"
+                )
+            pos = offset + length
+        if rec.crc32c >= 0 and file_crc != rec.crc32c and not errors:
+            errors.append(f"{path}: file CRC32C {file_crc:08x}, manifest says {rec.crc32c:08x}")
+        return len(items), pos, errors
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        for n_items, n_bytes, errors in pool.map(lambda kv: check(*kv), sorted(records.items())):
+            report.files += 1
+            report.items += n_items
+            report.bytes += n_bytes
+            report.errors += errors
+    backend.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def copy_checkpoint(src: str, dst: str, *, progress: Progress = _noop, concurrency: int = 4,
+                    overwrite: bool = False, src_options: dict[str, Any] | None = None,
+                    dst_options: dict[str, Any] | None = None) -> int:
+    """Stream a checkpoint from ``src`` to ``dst`` (any two backends); return bytes copied.
+
+    Data files and the manifest are copied first (CRC32C checked on the way), ``.metadata``
+    last, so an interrupted copy is never mistaken for a checkpoint.
+    """
+    source = open_backend(src, **(src_options or {}))
+    target = open_backend(dst, **(dst_options or {}))
+    md_raw = source.get(layout.METADATA_KEY) if source.exists(layout.METADATA_KEY) else None
+    if md_raw is None:
+        raise CheckpointNotFoundError(f"no checkpoint at {source.uri} (no .metadata)")
+    md = safe_loads(md_raw, source=f"{source.uri}/.metadata")
+    if target.exists(layout.METADATA_KEY) and not overwrite:
+        raise CheckpointExistsError(f"a checkpoint already exists at {target.uri}; pass "
+                                    "--overwrite to replace it")
+    save_id = str(getattr(md.storage_meta, "save_id", None))
+    manifest = _read_manifest(source, save_id)
+    paths = sorted({i.relative_path for i in (md.storage_data or {}).values()})
+
+    def copy_one(path: str) -> int:
+        size = source.stat(path).size
+        rec = manifest.files.get(path) if manifest else None
+        crc = 0
+        with target.open_upload(path) as up:
+            for chunk in _ordered_chunks(source, path, 0, size):
+                up.write(chunk)
+                crc = crc32c(chunk, crc)
+                progress(len(chunk))
+            if rec is not None and (rec.size != size or rec.crc32c != crc):
+                raise IntegrityError(f"{source.uri}/{path}: CRC32C/size mismatch while copying; "
+                                     "the source is damaged (run `dcpstore verify`)")
+            up.commit()
+        return size
+
+    copied = 0
+    try:
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            copied = sum(pool.map(copy_one, paths))
+        if manifest is not None:
+            target.put(layout.manifest_key(save_id), source.get(layout.manifest_key(save_id)))
+        target.put(layout.METADATA_KEY, md_raw, atomic=True)
+    except BaseException:
+        target.delete([*paths, *([layout.manifest_key(save_id)] if manifest else [])])
+        raise
+    finally:
+        source.close()
+        target.close()
+    return copied
+
+
+def remove_checkpoint(uri: str, *, dry_run: bool = False, **options: Any) -> list[str]:
+    """Delete a checkpoint, ``.metadata`` first; return the keys (to be) deleted."""
+    backend = open_backend(uri, **options)
+    keys = [o.key for o in backend.list() if layout.is_checkpoint_object(o.key)
+            and "/" not in o.key]
+    if not keys:
+        raise CheckpointNotFoundError(f"no checkpoint at {backend.uri}")
+    if not dry_run:
+        delete_checkpoint(backend)
+    backend.close()
+    return sorted(keys)
+
+
+@dataclass
+class GcReport:
+    """What ``gc`` removed (or would remove with ``dry_run``)."""
+
+    objects: list[str] = field(default_factory=list)
+    bytes: int = 0
+    uploads: list[tuple[str, str]] = field(default_factory=list)
+
+
+def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
+       **options: Any) -> GcReport:
+    """Remove incomplete saves, unreferenced files and dangling multipart uploads.
+
+    A file counts as garbage when no committed ``.metadata`` in its directory references
+    it (data files, manifests of other saves, temp files) and it is older than
+    ``min_age`` seconds, so saves still in progress are left alone.
+    """
+    root = open_backend(root_uri, **options)
+    report = GcReport()
+    now = time.time()
+    for head, objs in sorted(_group_by_dir(root.list()).items()):
+        ckpt = root.child(head) if head else root
+        keep: set[str] = set()
+        names = {o.key.rpartition("/")[2] for o in objs}
+        if layout.METADATA_KEY in names:
+            try:
+                md = _read_metadata(ckpt)
+            except Exception as exc:
+                logger.warning("gc: skipping %s: %s", ckpt.uri, exc)
+                continue
+            keep = {i.relative_path for i in (md.storage_data or {}).values()}
+            keep.add(layout.METADATA_KEY)
+            save_id = getattr(md.storage_meta, "save_id", None)
+            if isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX):
+                keep.add(layout.manifest_key(save_id))
+        for obj in objs:
+            name = obj.key.rpartition("/")[2]
+            if name in keep:
+                continue
+            if obj.mtime is not None and now - obj.mtime < min_age:
+                continue
+            report.objects.append(obj.key)
+            report.bytes += obj.size
+    report.uploads = root.list_uploads()
+    if not dry_run:
+        root.delete(report.objects)
+        if report.uploads:
+            root.abort_uploads(report.uploads)
+        remove = getattr(root, "remove_empty_dirs", None)
+        if remove is not None and report.objects:
+            for head in {k.rpartition("/")[0] for k in report.objects if "/" in k}:
+                getattr(root.child(head), "remove_empty_dirs", lambda: None)()
+    root.close()
+    return report
