@@ -42,13 +42,7 @@ class _S3Conformance(BackendConformance):
     @pytest.fixture
     def server(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
                ) -> S3Server:
-        server: S3Server = request.getfixturevalue(self.server_fixture)
-        for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                     "AWS_SESSION_TOKEN"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        return server
+        return _use(request.getfixturevalue(self.server_fixture), monkeypatch)
 
     @pytest.fixture
     def checkpoint_uri(self, server: S3Server) -> str:
@@ -246,6 +240,25 @@ def test_endpoint_and_credentials_from_the_aws_environment(
         dcpstore.load(out, uri)
         assert torch.equal(out["w"], state["w"])
         assert ".metadata" in _raw_keys(moto, uri)
+
+
+def test_credentials_from_a_named_profile(seaweed: S3Server, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[dcpstore-test]\naws_access_key_id = {seaweed.access_key}\n"
+                           f"aws_secret_access_key = {seaweed.secret_key}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    uri = _uri("profile")
+    backend = dcpstore.open_backend(uri, profile="dcpstore-test", **_opts(seaweed))
+    backend.put("k", b"v")
+    backend.close()  # clients are recreated on use
+    assert backend.get("k") == b"v"
+    monkeypatch.setenv("DCPSTORE_S3_PROFILE", "dcpstore-test")
+    assert dcpstore.open_backend(uri, **_opts(seaweed)).get("k") == b"v"
+    with pytest.raises(PermissionError, match="no-such-profile"):
+        dcpstore.open_backend(uri, profile="no-such-profile", **_opts(seaweed)).get("k")
 
 
 def test_secrets_never_leak(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch,
