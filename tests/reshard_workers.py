@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from mp import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -12,6 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpstore
+from dcpstore.testing import assert_state_equal
 
 SAVE_STEP = 2
 MORE_STEPS = 3
@@ -105,3 +107,38 @@ def load_run(rank: int, world: int, roots: list[str], options: dict[str, Any]) -
         losses = [_step(model, optim, s) for s in range(step + 1, step + MORE_STEPS + 1)]
         out.append({"state": full, "losses": losses, "dt": dt_full, "step": step})
     return out if rank == 0 else None
+
+
+#: world sizes saved at / loaded at
+SAVE_SIZES = (1, 2, 4)
+LOAD_SIZES = (1, 2, 3, 4)
+
+
+def run_matrix(
+    root: str,
+    options: dict[str, Any],
+    save_sizes: tuple[int, ...] = SAVE_SIZES,
+    load_sizes: tuple[int, ...] = LOAD_SIZES,
+) -> None:
+    roots = [f"{root}/saved-at-{n}" for n in save_sizes]
+    reference = [
+        run_ranks(save_run, n, r, options)[0] for n, r in zip(save_sizes, roots, strict=True)
+    ]
+    base = torch.arange(70, dtype=torch.float32).reshape(7, 10)
+    for m in load_sizes:
+        results = run_ranks(load_run, m, roots, options)[0]
+        for n, ref, got in zip(save_sizes, reference, results, strict=True):
+            where = f"saved at {n} ranks, loaded at {m}"
+            assert got["step"] == SAVE_STEP, where
+            assert_state_equal(got["state"], ref["state"], where)
+            for i, name in enumerate(PLACEMENTS):
+                assert torch.equal(got["dt"][name], base * (i + 1)), f"{where}: {name}"
+            torch.testing.assert_close(
+                torch.tensor(got["losses"]),
+                torch.tensor(ref["losses"]),
+                rtol=1e-5,
+                atol=1e-7,
+                msg=where,
+            )
+
+

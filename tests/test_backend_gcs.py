@@ -294,3 +294,11 @@ def test_missing_bucket_raised_on_every_rank(gcs_server: FakeGCSServer) -> None:
     names = run_ranks(_save_to_missing_bucket, 2, "gs://absent-bucket/run/step-1",
                       gcs_options(gcs_server))
     assert names == ["BucketNotFoundError", "BucketNotFoundError"]
+
+
+@pytest.mark.multiprocess
+def test_reshard_matrix_gcs(gcs_server: FakeGCSServer) -> None:
+    """Save at 1, 2, 4 ranks, load at 1, 2, 3, 4 (see tests/test_reshard_matrix.py)."""
+    from reshard_workers import run_matrix
+
+    run_matrix(f"gs://{BUCKET}/matrix/{uuid.uuid4().hex[:12]}", gcs_options(gcs_server))

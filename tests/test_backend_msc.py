@@ -285,3 +285,11 @@ def test_fsdp2_reshard_2_to_1_and_errors_on_every_rank(msc_env: MSCEnv) -> None:
     assert_state_equal(loaded["optim"], saved["optim"])
     names = run_ranks(_bad_input_on_every_rank, 2)
     assert names == [["ProfileNotFoundError", "StorageNotFoundError"]] * 2
+
+
+@pytest.mark.multiprocess
+def test_reshard_matrix_msc(msc_env: MSCEnv) -> None:
+    """Save at 1, 2, 4 ranks, load at 1, 2, 3, 4 through the S3 profile."""
+    from reshard_workers import run_matrix
+
+    run_matrix(f"msc://{S3_PROFILE}/{fresh('matrix')}", {})
