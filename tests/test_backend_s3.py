@@ -305,6 +305,19 @@ def test_secrets_never_leak(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch,
     assert secret.encode() not in pickled
 
 
+def test_session_tokens_never_logged(moto: S3Server, monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    token = "session-token-" + secrets.token_hex(16)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    caplog.set_level(logging.DEBUG)
+    backend = dcpstore.open_backend(_uri("token"), **_opts(moto))
+    backend.put("k", b"v")
+    assert backend.get("k") == b"v"
+    logs = "\n".join(r.getMessage() for r in caplog.records)
+    assert "x-amz-security-token" in logs.lower()  # botocore did log the header...
+    assert token not in logs  # ...with its value blanked out
+
+
 # -- errors: specific and prompt ---------------------------------------------------------
 
 

@@ -462,6 +462,7 @@ class S3Backend(Backend):
         o = self.options
         session = botocore.session.Session(profile=o.profile)
         session.register_component("data_loader", _shared_loader())
+        _install_log_redaction()
         config = Config(
             region_name=o.region,
             signature_version=botocore.UNSIGNED if o.anonymous else None,
@@ -822,6 +823,40 @@ class S3Backend(Backend):
         if client is not None:
             return str(client.meta.endpoint_url)
         return self.options.endpoint_url
+
+
+_TOKEN_PATTERN = re.compile(
+    r"(?i)(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s&,}]+"
+)
+_redaction_installed = False
+
+
+class _RedactSessionTokens(logging.Filter):
+    """Blank AWS session tokens out of botocore's DEBUG records: it logs the signed
+    request headers (``X-Amz-Security-Token``) and the canonical request verbatim."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        if "security-token" in message.lower():
+            record.msg = _TOKEN_PATTERN.sub(r"\1***", message)
+            record.args = ()
+        return True
+
+
+def _install_log_redaction() -> None:
+    """Attach :class:`_RedactSessionTokens` to the botocore loggers that print request
+    headers (once per process)."""
+    global _redaction_installed
+    with _loader_lock:
+        if _redaction_installed:
+            return
+        for name in ("botocore.endpoint", "botocore.auth", "botocore.parsers",
+                     "botocore.hooks", "botocore.httpsession", "botocore.awsrequest"):
+            logging.getLogger(name).addFilter(_RedactSessionTokens())
+        _redaction_installed = True
 
 
 _loader_lock = threading.Lock()
