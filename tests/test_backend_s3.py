@@ -791,3 +791,11 @@ def test_cli_demo_with_endpoint_from_aws_env(moto: S3Server, tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "bit-exact" in done.stdout
     assert ".metadata" in _raw_keys(moto, uri)
+
+
+@pytest.mark.multiprocess
+def test_reshard_matrix_s3(seaweed: S3Server) -> None:
+    """Save at 1, 2, 4 ranks, load at 1, 2, 3, 4 on SeaweedFS (see test_reshard_matrix)."""
+    from reshard_workers import run_matrix
+
+    run_matrix(_uri("matrix"), _opts(seaweed))
