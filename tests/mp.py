@@ -8,6 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -35,6 +36,7 @@ def _entry(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    torch.set_num_threads(1)  # ranks share the machine's cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         value = fn(rank, world_size, *args)

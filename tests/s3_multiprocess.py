@@ -6,16 +6,11 @@ The functions here run in spawned rank processes, so they live in an importable 
 
 from __future__ import annotations
 
-import os
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from servers import free_port
+from mp import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,49 +27,6 @@ import dcpstore
 __all__ = ["fsdp_load", "fsdp_save", "run_ranks"]
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-           args: tuple[Any, ...], results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        results[rank] = ("ok", fn(rank, world_size, *args))
-    except BaseException as exc:
-        results[rank] = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout: float = 180) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
-
-    Raises:
-        AssertionError: A rank raised (its traceback is in the message), died or hung.
-    """
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        out = dict(results)
-    errors = [f"rank {r}: {v[1]}" for r, v in sorted(out.items()) if v[0] == "error"]
-    missing = [f"rank {r} died or hung" for r in range(world_size) if r not in out]
-    if errors or missing:
-        raise AssertionError("\n".join(errors + missing))
-    return [out[r][1] for r in range(world_size)]
 
 
 class Net(nn.Module):
