@@ -283,8 +283,8 @@ class Reader(StorageReader):
     def _missing_metadata_error(self) -> Exception:
         try:
             leftovers = [o.key for o in self.backend.list("__") if o.key.endswith(".distcp")]
-        except FileNotFoundError:
-            leftovers = []
+        except FileNotFoundError as exc:  # e.g. the bucket itself is missing: say so
+            return CheckpointNotFoundError(f"no checkpoint at {self.backend.uri}: {exc}")
         if leftovers:
             return IncompleteCheckpointError(
                 f"incomplete checkpoint at {self.backend.uri}: {len(leftovers)} data files "
