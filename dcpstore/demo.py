@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -95,6 +96,12 @@ def _rank_main(rank: int, world: int, port: int, uri: str, width: int, depth: in
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter teardown: native thread pools (gloo, OpenMP) sometimes
+    # abort with "terminate called without an active exception" while being destroyed,
+    # after all the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass
