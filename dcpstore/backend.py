@@ -45,6 +45,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+import numpy
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -241,6 +242,19 @@ class Backend(abc.ABC):
         """Fill ``out`` with ``len(out)`` bytes of ``key`` from ``offset``; a short
         object is an ``EOFError``."""
 
+    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order with consecutive bytes of ``key`` from ``offset``.
+
+        One request for the whole span. This default stages it in one buffer and copies
+        it out; backends whose client can read into several buffers override it.
+        """
+        staged = memoryview(bytearray(sum(len(o) for o in outs)))
+        self._read_into(key, offset, staged)
+        pos = 0
+        for out in outs:
+            out[:] = staged[pos : pos + len(out)]
+            pos += len(out)
+
     @abc.abstractmethod
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None: ...
 
@@ -324,8 +338,8 @@ class Backend(abc.ABC):
     def read_ranges(
         self,
         ranges: Sequence[ReadRange],
-        buffers: Sequence[memoryview] | None = None,
-    ) -> Iterator[tuple[int, memoryview]]:
+        buffers: Sequence[memoryview | Sequence[memoryview]] | None = None,
+    ) -> Iterator[tuple[int, Any]]:
         """Fetch many byte ranges concurrently; yield ``(index, data)`` as each completes.
 
         At most ``max_concurrency`` ranges are in flight, and at most twice that many
@@ -334,7 +348,10 @@ class Backend(abc.ABC):
 
         Args:
             ranges: The ranges to fetch.
-            buffers: Optional destination views, one per range, of exactly its length.
+            buffers: Optional destinations, one per range: a view of exactly its length,
+                or a list of views whose lengths add up to it, filled in order from one
+                request (a scatter read: e.g. straight into destination tensors).
+                Without it each range gets a fresh, uninitialized buffer.
         """
         for r in ranges:
             validate_key(r.key)
@@ -345,13 +362,26 @@ class Backend(abc.ABC):
         return self._read_ranges(ranges, buffers)
 
     def _read_ranges(
-        self, ranges: Sequence[ReadRange], buffers: Sequence[memoryview] | None
-    ) -> Iterator[tuple[int, memoryview]]:
-        def fetch(i: int) -> tuple[int, memoryview]:
+        self,
+        ranges: Sequence[ReadRange],
+        buffers: Sequence[memoryview | Sequence[memoryview]] | None,
+    ) -> Iterator[tuple[int, Any]]:
+        def fetch(i: int) -> tuple[int, Any]:
             r = ranges[i]
-            out = buffers[i] if buffers is not None else memoryview(bytearray(r.length))
-            if r.length:
-                self._call(self._read_into, r.key, r.offset, out, key=r.key)
+            out = buffers[i] if buffers is not None else uninitialized_buffer(r.length)
+            if isinstance(out, memoryview):
+                if len(out) != r.length:
+                    raise ValueError(f"read_ranges: buffer {i} holds {len(out)} bytes, "
+                                     f"range is {r.length}")
+                if r.length:
+                    self._call(self._read_into, r.key, r.offset, out, key=r.key)
+            else:
+                if sum(len(o) for o in out) != r.length:
+                    raise ValueError(f"read_ranges: buffers {i} do not add up to {r.length}")
+                if len(out) == 1:
+                    self._call(self._read_into, r.key, r.offset, out[0], key=r.key)
+                elif r.length:
+                    self._call(self._read_into_scatter, r.key, r.offset, out, key=r.key)
             return i, out
 
         if len(ranges) == 1 or self.options.max_concurrency == 1:
@@ -360,7 +390,7 @@ class Backend(abc.ABC):
             return
         pool = self._executor()
         limit = self.options.max_concurrency
-        pending: set[Future[tuple[int, memoryview]]] = set()
+        pending: set[Future[tuple[int, Any]]] = set()
         next_index = 0
         try:
             while next_index < len(ranges) or pending:
@@ -414,6 +444,12 @@ class Backend(abc.ABC):
             if translated is None or translated is exc:
                 raise
             raise translated from exc
+
+
+def uninitialized_buffer(nbytes: int) -> memoryview:
+    """A writable byte buffer of ``nbytes`` that is not zero-filled first (it is about
+    to be overwritten; ``bytearray(n)`` would write every byte twice)."""
+    return numpy.empty(nbytes, dtype=numpy.uint8).data.cast("B")
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -30,7 +30,8 @@ from . import layout
 from .api import _single_process_quiet, _unwrap, load, open_backend
 from .backend import Backend
 from .errors import CheckpointNotFoundError, DcpstoreError
-from .writer import Writer
+from .reader import ReaderOptions
+from .writer import Writer, WriterOptions
 
 __all__ = ["CheckpointSaveError", "Checkpointer"]
 
@@ -77,6 +78,7 @@ class Checkpointer:
         self.async_mode = async_mode
         self.backend_name = backend
         self.options = options
+        self._check_options()
         self.process_group = process_group
         self._async_group: Any = None
         self._pending: tuple[int, Writer, Future[Any]] | None = None
@@ -130,14 +132,21 @@ class Checkpointer:
                 if writer.is_coordinator:
                     writer.discard()
                 raise _unwrap(exc) from exc
+            finally:
+                writer.backend.close()  # one backend per save: release its threads
             self._retain()
             return
         kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
-        with _single_process_quiet():
-            response = dcp.async_save(state, storage_writer=writer,
-                                      process_group=self._group_for_async(),
-                                      async_checkpointer_type=kind, no_dist=not _distributed())
+        try:
+            with _single_process_quiet():
+                response = dcp.async_save(state, storage_writer=writer,
+                                          process_group=self._group_for_async(),
+                                          async_checkpointer_type=kind,
+                                          no_dist=not _distributed())
+        except BaseException:
+            writer.backend.close()
+            raise
         future = cast(Future[Any], getattr(response, "upload_completion", response))
         self._pending = (step, writer, future)
 
@@ -154,13 +163,22 @@ class Checkpointer:
         try:
             future.result()
         except BaseException as exc:
-            if writer.is_coordinator:
-                writer.discard()
+            landed = writer.discard() if writer.is_coordinator else None
             cause = _unwrap(exc) if isinstance(exc, CheckpointException) else exc
+            if landed:
+                outcome = (f"the error came after the commit: step {step} is committed and "
+                           "loads")
+            elif landed is False:
+                outcome = "nothing was committed and the previous checkpoint is intact"
+            else:
+                outcome = (f"whether step {step} was committed is decided on the coordinator; "
+                           "latest() tells, and the previous checkpoint is intact either way")
             raise CheckpointSaveError(
                 f"background save of step {step} to {self.step_uri(step)} failed: {cause}; "
-                "nothing was committed and the previous checkpoint is intact"
+                f"{outcome}"
             ) from cause
+        finally:
+            writer.backend.close()
         self._retain()
 
     def load(self, state: dict[str, Any], step: int | None = None, **options: Any) -> int:
@@ -177,13 +195,14 @@ class Checkpointer:
                     "check the root URI"
                 )
         load(state, self.step_uri(step), process_group=self.process_group,
-             backend=self.backend_name, **{**self.options, **options})
+             backend=self.backend_name,
+             **{**self._options_for(ReaderOptions, "_extension_registry"), **options})
         return step
 
     def delete(self, step: int) -> None:
         """Delete one step (coordinator only does it; collective)."""
         if self._is_coordinator():
-            delete_checkpoint(self._root.child(step_dir(step)))
+            _delete_closing(self._root.child(step_dir(step)))
         self._barrier()
 
     def close(self) -> None:
@@ -214,7 +233,28 @@ class Checkpointer:
     def _writer(self, step: int) -> Writer:
         from .api import get_writer
 
-        return get_writer(self.step_uri(step), backend=self.backend_name, **self.options)
+        return get_writer(self.step_uri(step), backend=self.backend_name,
+                          **self._options_for(WriterOptions, "_extensions"))
+
+    def _options_for(self, own: type[Any], special: str) -> dict[str, Any]:
+        """The options a writer (or reader) takes: its own, the backend's, ``special``."""
+        from .options import option_names
+
+        names = option_names(own) | set(self._backend_options()) | {special}
+        return {k: v for k, v in self.options.items() if k in names}
+
+    def _check_options(self) -> None:
+        """Writer and reader options are given together; refuse names neither knows."""
+        from .options import option_names
+
+        known = (option_names(WriterOptions) | option_names(ReaderOptions)
+                 | set(self._backend_options()))
+        unknown = sorted(set(self.options) - known - {"_extensions", "_extension_registry"})
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {', '.join(unknown)} for Checkpointer({self.root_uri!r}); "
+                f"valid writer/reader options: {', '.join(sorted(known))} and the backend's"
+            )
 
     def _retain(self) -> None:
         if self.keep_last is None:
@@ -223,7 +263,7 @@ class Checkpointer:
             steps = committed_steps(self._root)
             for old in steps[: max(0, len(steps) - self.keep_last)]:
                 logger.info("retention: deleting step %d under %s", old, self.root_uri)
-                delete_checkpoint(self._root.child(step_dir(old)))
+                _delete_closing(self._root.child(step_dir(old)))
         self._barrier()
 
     def _group_for_async(self) -> Any:
@@ -270,6 +310,14 @@ def committed_steps(root: Backend) -> list[int]:
         if m and tail == layout.METADATA_KEY:
             steps.add(int(m.group(1)))
     return sorted(steps)
+
+
+def _delete_closing(ckpt: Backend) -> None:
+    """:func:`delete_checkpoint`, then release the backend made for it (its client)."""
+    try:
+        delete_checkpoint(ckpt)
+    finally:
+        ckpt.close()
 
 
 def delete_checkpoint(ckpt: Backend) -> int:

@@ -25,6 +25,8 @@ __all__ = ["LocalBackend", "LocalOptions"]
 
 logger = logging.getLogger(__name__)
 
+_IOV_MAX = 512  # buffers per preadv call (Linux allows 1024)
+
 
 @dataclass
 class LocalOptions(BackendOptions):
@@ -124,17 +126,26 @@ class LocalBackend(Backend):
         return _FileUpload(self, key)
 
     def _read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self._read_into_scatter(key, offset, [out])
+
+    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            pos = 0
-            while pos < len(out):
-                n = os.preadv(fd, [out[pos:]], offset + pos)
+            pending = [o for o in outs if len(o)]
+            pos = offset
+            while pending:
+                n = os.preadv(fd, pending[:_IOV_MAX], pos)
                 if n == 0:
                     raise EOFError(
-                        f"{self._path(key)} ends at byte {offset + pos}, expected "
-                        f"{len(out)} bytes from offset {offset} (file truncated?)"
+                        f"{self._path(key)} ends at byte {pos}, expected "
+                        f"{sum(len(o) for o in outs)} bytes from offset {offset} "
+                        "(file truncated?)"
                     )
                 pos += n
+                while pending and n >= len(pending[0]):  # drop the buffers now full
+                    n -= len(pending.pop(0))
+                if n:
+                    pending[0] = pending[0][n:]
         finally:
             os.close(fd)
 

@@ -16,7 +16,8 @@ from typing import Any
 import crc32c as _crc32c
 from typing_extensions import Buffer
 
-from .errors import IntegrityError
+from .errors import IntegrityError, UnsafeKeyError
+from .uri import validate_key
 
 __all__ = [
     "FileRecord",
@@ -42,18 +43,27 @@ def manifest_key(save_id: str) -> str:
 
 @dataclass
 class FileRecord:
-    """One data file: its size, CRC32C and the ``(offset, length, crc32c)`` of each item."""
+    """One data file: its size, CRC32C and the ``(offset, length, crc32c)`` of each item.
+
+    ``payloads`` maps the offset of a tensor item to ``(start, nbytes)``: where, inside
+    the item, the tensor's raw row-major bytes begin and how many there are. Readers use
+    it to fetch those bytes straight into the destination tensor (no staging copy).
+    """
 
     size: int
     crc32c: int
     items: list[tuple[int, int, int]] = field(default_factory=list)
+    payloads: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "size": self.size,
             "crc32c": f"{self.crc32c:08x}",
             "items": [list(i) for i in self.items],
         }
+        if self.payloads:
+            doc["payloads"] = [[o, s, n] for o, (s, n) in sorted(self.payloads.items())]
+        return doc
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FileRecord:
@@ -61,6 +71,7 @@ class FileRecord:
             size=int(data["size"]),
             crc32c=int(data["crc32c"], 16),
             items=[(int(o), int(n), int(c)) for o, n, c in data.get("items", [])],
+            payloads={int(o): (int(s), int(n)) for o, s, n in data.get("payloads", [])},
         )
 
 
@@ -75,6 +86,9 @@ class Manifest:
     torch_version: str = ""
     created: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Size and CRC32C of the ``.metadata`` committed with this manifest (``None`` in
+    #: manifests written before it was recorded).
+    metadata: FileRecord | None = None
     _item_index: dict[tuple[str, int], tuple[int, int]] | None = field(
         default=None, repr=False, compare=False
     )
@@ -95,6 +109,8 @@ class Manifest:
             "extra": self.extra,
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
         }
+        if self.metadata is not None:
+            doc["metadata"] = self.metadata.to_json()
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -103,6 +119,7 @@ class Manifest:
 
         Raises:
             IntegrityError: The document is not a dcpstore manifest or is damaged.
+            UnsafeKeyError: It lists a data file outside the checkpoint root.
         """
         try:
             doc = json.loads(data)
@@ -113,17 +130,45 @@ class Manifest:
                     f"manifest version {doc['version']} is newer than this dcpstore "
                     f"understands ({VERSION}); upgrade dcpstore"
                 )
+            files = {}
+            for key, record in doc["files"].items():
+                try:
+                    validate_key(key)
+                except UnsafeKeyError as exc:
+                    raise UnsafeKeyError(f"{source}: {exc}") from None
+                files[key] = FileRecord.from_json(record)
+            metadata = doc.get("metadata")
             return cls(
                 save_id=str(doc["save_id"]),
                 world_size=int(doc["world_size"]),
-                files={k: FileRecord.from_json(v) for k, v in doc["files"].items()},
+                files=files,
                 dcpstore_version=str(doc.get("dcpstore_version", "")),
                 torch_version=str(doc.get("torch_version", "")),
                 created=float(doc.get("created", 0.0)),
                 extra=dict(doc.get("extra", {})),
+                metadata=None if metadata is None else FileRecord.from_json(metadata),
             )
+        except UnsafeKeyError:
+            raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise IntegrityError(f"{source} is not a valid dcpstore manifest: {exc}") from exc
+
+    def check_metadata(self, raw: bytes, *, source: str = ".metadata") -> None:
+        """Check the bytes of ``.metadata`` against the size and CRC32C recorded here
+        (nothing to check in manifests that predate the record).
+
+        Raises:
+            IntegrityError: ``.metadata`` is not the one committed with this manifest.
+        """
+        if self.metadata is None:
+            return
+        actual = crc32c(raw)
+        if len(raw) != self.metadata.size or actual != self.metadata.crc32c:
+            raise IntegrityError(
+                f"{source} is damaged: {len(raw)} bytes with CRC32C {actual:08x}, the "
+                f"manifest recorded {self.metadata.size} bytes with CRC32C "
+                f"{self.metadata.crc32c:08x}; restore it or load an older checkpoint"
+            )
 
     def item_crc(self, relative_path: str, offset: int, length: int) -> int | None:
         """CRC32C recorded for the item at ``offset`` of ``relative_path``, if any.
@@ -144,3 +189,8 @@ class Manifest:
                 f"says {found[0]}; the checkpoint was modified after it was written"
             )
         return found[1]
+
+    def item_payload(self, relative_path: str, offset: int) -> tuple[int, int] | None:
+        """``(start, nbytes)`` of the raw tensor bytes of an item, if recorded."""
+        record = self.files.get(relative_path)
+        return None if record is None else record.payloads.get(offset)

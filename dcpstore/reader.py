@@ -18,24 +18,31 @@ reads what each rank needs, not whole files).
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import layout
-from .backend import Backend, ReadRange
+from .backend import Backend, ReadRange, uninitialized_buffer
+from .codec import ViewFile, decode_tensor
 from .errors import (
     CheckpointNotFoundError,
     DcpstoreError,
@@ -43,7 +50,7 @@ from .errors import (
     IntegrityError,
     UnsafeCheckpointError,
 )
-from .manifest import SAVE_ID_PREFIX, Manifest, crc32c
+from .manifest import Manifest, crc32c
 from .safe_pickle import safe_loads
 from .uri import validate_key
 
@@ -111,35 +118,6 @@ def coalesce(
     return ranges
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview (no copy of the whole view)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
 class Reader(StorageReader):
     """DCP storage reader over a :class:`~dcpstore.Backend`. Create with
     :func:`dcpstore.get_reader`; pass as ``storage_reader=`` to ``dcp.load``.
@@ -166,6 +144,8 @@ class Reader(StorageReader):
         self._rebind = rebind
         self._transforms = _StorageReaderTransforms(extension_registry)
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        # (fqn, chunk offsets) -> (dtype, chunk sizes), from .metadata
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
         self.manifest: Manifest | None = None
         self.load_id = uuid.uuid4().hex
         #: Bytes fetched by the last ``read_data`` (coalescing gaps included).
@@ -174,6 +154,9 @@ class Reader(StorageReader):
         self.bytes_needed = 0
         #: Range requests issued by the last ``read_data``.
         self.requests = 0
+        #: Tensor items of the last ``read_data`` whose bytes were read straight into the
+        #: destination tensor (no staging buffer, no copy).
+        self.items_direct = 0
         #: Why the last ``read_metadata`` failed (DCP wraps it in an AssertionError).
         self.metadata_error: BaseException | None = None
 
@@ -231,6 +214,8 @@ class Reader(StorageReader):
             raise self._missing_metadata_error() from None
         metadata = self._parse_metadata(raw)
         self.manifest = self._read_manifest(metadata)
+        if self.manifest is not None:
+            self.manifest.check_metadata(raw, source=f"{self.backend.uri}/.metadata")
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -242,6 +227,12 @@ class Reader(StorageReader):
         if metadata.storage_data is None:
             raise IntegrityError(f"{self.backend.uri}/.metadata has no storage_data")
         self.storage_data = metadata.storage_data
+        self._chunks = {
+            (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
         if self.manifest is None and self.options.verify:
             # read_metadata ran on another object (e.g. metadata passed in directly)
             self.manifest = self._read_manifest(metadata)
@@ -269,11 +260,18 @@ class Reader(StorageReader):
         logger.debug("%s: %d items in %d ranges, %d bytes (%d needed)", self.backend.uri,
                      len(requests), len(ranges), self.bytes_read, self.bytes_needed)
         fetches = [ReadRange(r.key, r.offset, r.length) for r in ranges]
-        for index, buf in self.backend.read_ranges(fetches):
-            rng = ranges[index]
-            for req, info in rng.items:
-                start = info.offset - rng.offset
-                self._deliver(req, info, buf[start : start + info.length], planner)
+        self.items_direct = 0
+        layouts = [self._layout(r, planner) for r in ranges]
+        buffers = [segments for segments, _ in layouts]
+        try:
+            for index, _ in self.backend.read_ranges(fetches, buffers):
+                for deliver in layouts[index][1]:
+                    deliver()
+        except OSError as exc:
+            damaged = self._damaged_file_error(exc, ranges)
+            if damaged is None:
+                raise
+            raise damaged from exc
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -295,6 +293,36 @@ class Reader(StorageReader):
             f"no checkpoint at {self.backend.uri} (no .metadata); check the URI"
         )
 
+    def _damaged_file_error(self, exc: OSError, ranges: Sequence[_Range]
+                            ) -> IntegrityError | None:
+        """After a failed fetch, name the data file that is missing or too short and the
+        items lost with it; ``None`` when that is not why (e.g. a dropped connection)."""
+        if isinstance(exc, (DcpstoreError, ConnectionError, TimeoutError, PermissionError)):
+            return None
+        needed: dict[str, int] = {}
+        for r in ranges:
+            needed[r.key] = max(needed.get(r.key, 0), r.offset + r.length)
+        for key in sorted(needed):
+            try:
+                size: int | None = self.backend.stat(key).size
+            except FileNotFoundError:
+                size = None
+            except Exception:
+                return None
+            if size is not None and size >= needed[key]:
+                continue
+            lost = [req.storage_index.fqn for r in ranges if r.key == key
+                    for req, info in r.items if size is None or info.offset + info.length > size]
+            state = "is missing" if size is None else f"is truncated to {size} bytes"
+            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+            return IntegrityError(
+                f"{self.backend.uri}/{key} {state}; items lost with it: "
+                f"{', '.join(map(repr, lost[:5]))}{more}. The "
+                "checkpoint was damaged after it was written; restore the file or load an "
+                "older checkpoint."
+            )
+        return None
+
     def _parse_metadata(self, raw: bytes) -> Metadata:
         source = f"{self.backend.uri}/.metadata"
         try:
@@ -307,16 +335,19 @@ class Reader(StorageReader):
         if not isinstance(metadata, Metadata):
             raise IntegrityError(f"{source} holds a {type(metadata).__name__}, not DCP Metadata")
         for index, info in (metadata.storage_data or {}).items():
-            if not isinstance(info, _StorageInfo):
-                raise IntegrityError(f"{source}: storage entry of {index.fqn!r} is malformed")
+            fields = [getattr(info, name, None) for name in ("relative_path", "offset", "length")]
+            if not (isinstance(info, _StorageInfo) and isinstance(fields[0], str)
+                    and all(isinstance(n, int) and n >= 0 for n in fields[1:])):
+                raise IntegrityError(f"{source}: storage entry of "
+                                     f"{getattr(index, 'fqn', index)!r} is malformed")
             validate_key(info.relative_path)
         return metadata
 
     def _read_manifest(self, metadata: Metadata) -> Manifest | None:
         if not self.options.verify:
             return None
-        save_id = getattr(metadata.storage_meta, "save_id", None)
-        if not (isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)):
+        save_id = layout.save_id_of_metadata(metadata, source=f"{self.backend.uri}/.metadata")
+        if save_id is None:
             logger.debug("%s was not written by dcpstore; no manifest to verify against",
                          self.backend.uri)
             return None
@@ -336,13 +367,14 @@ class Reader(StorageReader):
             )
         return manifest
 
-    def _verify(self, req: ReadItem, info: _StorageInfo, view: memoryview) -> None:
+    def _verify(self, req: ReadItem, info: _StorageInfo, *pieces: memoryview) -> None:
         if self.manifest is None:
             return
-        if len(view) != info.length:
+        got = sum(len(p) for p in pieces)
+        if got != info.length:
             raise IntegrityError(
                 f"{self.backend.uri}/{info.relative_path}: item {req.storage_index.fqn!r} "
-                f"at offset {info.offset} is truncated ({len(view)} of {info.length} bytes)"
+                f"at offset {info.offset} is truncated ({got} of {info.length} bytes)"
             )
         expected = self.manifest.item_crc(info.relative_path, info.offset, info.length)
         if expected is None:
@@ -350,7 +382,9 @@ class Reader(StorageReader):
                 f"{self.backend.uri}/{info.relative_path}: item {req.storage_index.fqn!r} at "
                 f"offset {info.offset} is not in the manifest; .metadata was tampered with"
             )
-        actual = crc32c(view)
+        actual = 0
+        for piece in pieces:
+            actual = crc32c(piece, actual)
         if actual != expected:
             raise IntegrityError(
                 f"{self.backend.uri}/{info.relative_path}: CRC32C mismatch in item "
@@ -359,25 +393,130 @@ class Reader(StorageReader):
                 "restore it or load an older checkpoint."
             )
 
+    def _layout(
+        self, rng: _Range, planner: LoadPlanner
+    ) -> tuple[list[memoryview], list[Callable[[], None]]]:
+        """Where the bytes of one coalesced range go, and what to do once they are in.
+
+        A tensor item whose payload position the manifest records, and whose whole
+        chunk lands in a contiguous destination of the same dtype, has its payload read
+        straight into the destination tensor (a scatter read); everything else (item
+        headers and tails, gaps, other items) goes to staging buffers.
+        """
+        segments: list[memoryview] = []
+        deliveries: list[Callable[[], None]] = []
+        staged: list[tuple[int, memoryview]] = []  # (absolute offset, buffer)
+        run_start = rng.offset
+
+        def stage(stop: int) -> None:
+            nonlocal run_start
+            if stop > run_start:
+                buf = uninitialized_buffer(stop - run_start)
+                staged.append((run_start, buf))
+                segments.append(buf)
+            run_start = stop
+
+        def view(start: int, stop: int) -> memoryview:
+            for base, buf in staged:
+                if base <= start and stop <= base + len(buf):
+                    return buf[start - base : stop - base]
+            raise AssertionError(f"bytes {start}-{stop} are not staged")  # pragma: no cover
+
+        previous_end = rng.offset
+        overlapping = False
+        for _, info in rng.items:
+            overlapping |= info.offset < previous_end
+            previous_end = max(previous_end, info.offset + info.length)
+        for req, info in rng.items:
+            target = None if overlapping else self._direct_target(req, info, planner)
+            if target is None:
+                deliveries.append(functools.partial(self._deliver_staged, req, info, view,
+                                                    planner))
+                continue
+            payload_start = info.offset + target[1]
+            stage(payload_start)
+            payload = target[0].reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            segments.append(payload)
+            run_start = payload_start + len(payload)
+            self.items_direct += 1
+            deliveries.append(functools.partial(self._deliver_direct, req, info, view,
+                                                payload_start, payload, target[0], planner))
+        stage(rng.offset + rng.length)
+        return segments, deliveries
+
+    def _direct_target(
+        self, req: ReadItem, info: _StorageInfo, planner: LoadPlanner
+    ) -> tuple[torch.Tensor, int] | None:
+        """The destination tensor and the payload's start in the item, when the item's
+        payload can be read straight into it."""
+        if (self.manifest is None or req.type != LoadItemType.TENSOR
+                or info.transform_descriptors):
+            return None
+        payload = self.manifest.item_payload(info.relative_path, info.offset)
+        chunk = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if payload is None or chunk is None:
+            return None
+        start, nbytes = payload
+        dtype, sizes = chunk
+        if (start < 0 or start + nbytes > info.length or any(req.storage_offsets)
+                or tuple(req.lengths) != sizes):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if (target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous()
+                or tuple(target.size()) != sizes or target.nbytes != nbytes
+                or target.is_conj() or target.is_neg()):
+            return None
+        return target, start
+
+    def _deliver_direct(
+        self, req: ReadItem, info: _StorageInfo, view: Callable[[int, int], memoryview],
+        start: int, payload: memoryview, target: torch.Tensor, planner: LoadPlanner,
+    ) -> None:
+        head = view(info.offset, start)
+        tail = view(start + len(payload), info.offset + info.length)
+        self._verify(req, info, head, payload, tail)
+        fqn = req.storage_index.fqn
+        try:
+            decoded = decode_tensor([head, payload, tail])
+        except (pickle.UnpicklingError, RuntimeError) as exc:
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} at offset "
+                f"{info.offset} cannot be decoded: {exc}"
+            ) from exc
+        # the archive must place this exact tensor where the manifest said it would
+        if (decoded.data_ptr() != target.data_ptr() or decoded.dtype != target.dtype
+                or decoded.size() != target.size() or decoded.stride() != target.stride()):
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} does not lie "
+                "where the manifest records its payload; the checkpoint is inconsistent"
+            )
+        planner.commit_tensor(req, target)
+
+    def _deliver_staged(
+        self, req: ReadItem, info: _StorageInfo, view: Callable[[int, int], memoryview],
+        planner: LoadPlanner,
+    ) -> None:
+        self._deliver(req, info, view(info.offset, info.offset + info.length), planner)
+
     def _deliver(
         self, req: ReadItem, info: _StorageInfo, view: memoryview, planner: LoadPlanner
     ) -> None:
         self._verify(req, info, view)
-        stream: Any = _ViewReader(view)
         if info.transform_descriptors:
-            stream = self._transforms.transform_load_stream(req, info.transform_descriptors,
-                                                            stream)
+            source: Any = ViewFile(view)
+            stream = self._transforms.transform_load_stream(
+                req, info.transform_descriptors, source
+            )
+            view = memoryview(bytearray(stream.read()))
         fqn = req.storage_index.fqn
         if req.type == LoadItemType.BYTE_IO:
-            data = stream.read()
+            data = bytes(view)
             if not self.options.allow_pickle:
                 self._check_weights_only(fqn, info, data)
             planner.load_bytes(req, io.BytesIO(data))
             return
-        if not stream.seekable():
-            stream = io.BytesIO(stream.read())
         try:
-            tensor = cast(torch.Tensor, torch.load(stream, map_location="cpu", weights_only=True))
+            tensor = decode_tensor(view)  # shares memory with ``view``: no extra copy
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
                 f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} is not a plain "

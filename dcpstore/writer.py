@@ -42,6 +42,7 @@ from typing_extensions import Buffer
 from . import layout
 from ._version import __version__
 from .backend import Backend, Upload
+from .codec import encode_tensor
 from .errors import CheckpointExistsError, DcpstoreError
 from .guard import LocalPlanSummary, check_global_plan, summarize_local_plan
 from .manifest import FileRecord, Manifest, crc32c
@@ -52,6 +53,9 @@ __all__ = ["Writer", "WriterOptions"]
 logger = logging.getLogger(__name__)
 
 _DCP_VERSION = "1.0.0"
+# Tensors at least this large get their payload position recorded in the manifest, so
+# readers can fetch their bytes straight into the destination.
+_MIN_PAYLOAD = 4096
 
 
 @dataclass
@@ -101,12 +105,22 @@ class _ChecksumStream(io.RawIOBase):
         self.position = 0
         self.file_crc = 0
         self.item_crc = 0
+        # where a write of exactly ``_payload_size`` bytes (a tensor's storage) began
+        self._payload_size = 0
+        self.payload_at: list[int] = []
+
+    def expect_payload(self, nbytes: int) -> None:
+        """Note the position of writes of ``nbytes`` bytes until the next call."""
+        self._payload_size = nbytes
+        self.payload_at = []
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Buffer) -> int:
         view = memoryview(data).cast("B")
+        if len(view) == self._payload_size:
+            self.payload_at.append(self.position)
         self.upload.write(view)
         self.file_crc = crc32c(view, self.file_crc)
         self.item_crc = crc32c(view, self.item_crc)
@@ -190,6 +204,8 @@ class Writer(StorageWriter):
         self.save_id = layout.new_save_id()
         self._previous: Metadata | None = None
         self._written: list[str] = []
+        # the .metadata this save sent, once its PUT was attempted (see discard)
+        self._commit_bytes: bytes | None = None
 
     def __repr__(self) -> str:
         return f"Writer({self.backend.uri!r}, overwrite={self.options.overwrite})"
@@ -222,6 +238,7 @@ class Writer(StorageWriter):
         self.save_id = layout.new_save_id()
         self._previous = None
         self._written = []
+        self._commit_bytes = None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
@@ -303,6 +320,7 @@ class Writer(StorageWriter):
         metadata.storage_data = storage_data
         metadata.version = _DCP_VERSION
         metadata.storage_meta = StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
+        metadata_bytes = pickle.dumps(metadata)
         manifest = Manifest(
             save_id=self.save_id,
             world_size=len(results),
@@ -310,15 +328,30 @@ class Writer(StorageWriter):
             dcpstore_version=__version__,
             torch_version=torch.__version__,
             extra={"extensions": [type(e).__name__ for e in self.extensions]},
+            # .metadata is covered too: a damaged chunk offset there loads wrong values
+            metadata=FileRecord(len(metadata_bytes), crc32c(metadata_bytes)),
         )
         manifest_key = layout.manifest_key(self.save_id)
         try:
             self.backend.put(manifest_key, manifest.to_bytes())
-            self.backend.put(layout.METADATA_KEY, pickle.dumps(metadata), atomic=True)
-        except BaseException:
-            logger.error("commit of %s failed; removing this save's files", self.backend.uri)
-            self._delete_quietly([*files, manifest_key])
-            raise
+            self._commit_bytes = metadata_bytes
+            self.backend.put(layout.METADATA_KEY, metadata_bytes, atomic=True)
+        except BaseException as exc:
+            # A PUT whose answer was lost may still have landed: then .metadata names
+            # this save's files, and deleting them would destroy the checkpoint.
+            landed = self._commit_landed() if isinstance(exc, Exception) else None
+            if not landed:
+                if landed is None:
+                    logger.error("commit of %s failed and whether .metadata was replaced "
+                                 "cannot be told; keeping this save's files",
+                                 self.backend.uri)
+                else:
+                    logger.error("commit of %s failed; removing this save's files",
+                                 self.backend.uri)
+                    self._delete_quietly([*files, manifest_key])
+                raise
+            logger.warning("commit of %s: the .metadata request failed (%s), but the store "
+                           "holds this save's .metadata: committed", self.backend.uri, exc)
         logger.info(
             "committed %s (save %s, %d files, %.1f MB)", self.backend.uri, self.save_id,
             len(files), manifest.total_bytes / 1e6,
@@ -327,23 +360,49 @@ class Writer(StorageWriter):
 
     # -- failure handling ----------------------------------------------------------------
 
-    def discard(self) -> None:
+    def discard(self) -> bool | None:
         """Delete every object of this save (after a failed save, on the coordinator).
 
-        Never touches ``.metadata`` or files of other saves.
+        Never touches ``.metadata`` or files of other saves, nor the files of this save
+        when its ``.metadata`` may have landed after all.
+
+        Returns:
+            ``False`` when nothing of this save was committed (its files are removed),
+            ``True`` when its ``.metadata`` did land (the save is committed and kept),
+            ``None`` when that cannot be told (kept; ``dcpstore verify`` tells).
         """
+        landed = self._commit_landed()
+        if landed is not False:
+            logger.warning("not removing the files of save %s at %s: its .metadata %s "
+                           "committed", self.save_id, self.backend.uri,
+                           "is" if landed else "may be")
+            return landed
         keys = [o.key for o in self.backend.list("__")
                 if layout.save_id_of(o.key) == self.save_id]
         keys.append(layout.manifest_key(self.save_id))
         self._delete_quietly(keys)
         if self.backend.exists(layout.METADATA_KEY):
-            return
+            return False
         # nothing else there: leave no empty directory behind on local disk
         remove = getattr(self.backend, "remove_empty_dirs", None)
         if remove is not None:
             remove()
+        return False
 
     # -- internals ---------------------------------------------------------------------
+
+    def _commit_landed(self) -> bool | None:
+        """Whether the store holds the ``.metadata`` this save sent (``None``: cannot
+        tell; ``False`` also when its PUT was never attempted)."""
+        if self._commit_bytes is None:
+            return False
+        try:
+            return self.backend.get(layout.METADATA_KEY) == self._commit_bytes
+        except FileNotFoundError:
+            return False
+        except Exception as exc:
+            logger.warning("cannot read %s/.metadata back (%s)", self.backend.uri, exc)
+            return None
 
     def _check_target(self) -> None:
         """Coordinator only: one existence check, before any rank writes."""
@@ -397,6 +456,7 @@ class Writer(StorageWriter):
         transforms = _StorageWriterTransforms(self.extensions) if self.extensions else None
         written: list[tuple[WriteItem, _WrittenItem]] = []
         records: list[tuple[int, int, int]] = []
+        payloads: dict[int, tuple[int, int]] = {}
         try:
             # byte items first, like torch's writer; then tensors
             ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
@@ -415,7 +475,13 @@ class Writer(StorageWriter):
                 else:
                     if not isinstance(data, torch.Tensor):
                         raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data)}")
-                    torch.save(_prepare_tensor(data), sink)
+                    tensor = _prepare_tensor(data)
+                    stream.expect_payload(tensor.nbytes)
+                    encode_tensor(tensor, sink)
+                    if (transforms is None and tensor.is_contiguous()
+                            and tensor.nbytes >= _MIN_PAYLOAD and len(stream.payload_at) == 1):
+                        payloads[offset] = (stream.payload_at[0] - offset, tensor.nbytes)
+                    stream.expect_payload(0)
                 if transforms is not None:
                     sink.close()
                 length = stream.position - offset
@@ -434,7 +500,8 @@ class Writer(StorageWriter):
         logger.debug("wrote %s: %d items, %d bytes in %.3fs", name, len(items),
                      stream.position, elapsed)
         if written:
-            written[-1][1].file = FileRecord(stream.position, stream.file_crc, records)
+            written[-1][1].file = FileRecord(stream.position, stream.file_crc, records,
+                                             payloads)
         return [
             WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=rec)
             for item, rec in written

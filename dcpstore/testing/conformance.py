@@ -217,6 +217,18 @@ class BackendConformance:
         list(backend.read_ranges([ReadRange("r", 0, 100), ReadRange("r", 4046, 50)], bufs))
         assert bytes(bufs[0]) == data[:100] and bytes(bufs[1]) == data[4046:]
 
+    def test_scatter_read(self, backend: Backend) -> None:
+        """One range filled into several buffers in order (reads into tensors)."""
+        data = _payload(1_000_000, seed=7)
+        backend.put("s", data)
+        sizes = [3, 0, 700_000, 1, 99_996]
+        bufs = [memoryview(bytearray(n)) for n in sizes]
+        done = list(backend.read_ranges([ReadRange("s", 200_000, sum(sizes))], [bufs]))
+        assert [i for i, _ in done] == [0]
+        assert b"".join(bytes(b) for b in bufs) == data[200_000 : 200_000 + sum(sizes)]
+        with pytest.raises(ValueError):
+            list(backend.read_ranges([ReadRange("s", 0, 10)], [[memoryview(bytearray(9))]]))
+
     def test_read_past_end_fails(self, backend: Backend) -> None:
         backend.put("short", b"0123456789")
         with pytest.raises((OSError, EOFError)):

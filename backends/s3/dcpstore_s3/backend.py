@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import http.client
 import logging
 import re
 import threading
@@ -74,6 +75,7 @@ from botocore.exceptions import (
 from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
 from dcpstore.errors import StoreTimeoutError
 from dcpstore.multipart import MultipartUpload
+from dcpstore.redact import install_log_redaction, redact
 from dcpstore.uri import validate_key
 
 __all__ = [
@@ -277,6 +279,37 @@ def _redact_url(url: str | None) -> str:
     return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
 
 
+def _readinto(body: Any, out: memoryview) -> int:
+    """``body.readinto(out)``, straight from the socket when possible.
+
+    urllib3's ``readinto`` reads into a temporary ``bytes`` (which http.client itself
+    fills through a zeroed temporary) and copies that into ``out``: three extra passes
+    over every byte. For a plain (not chunked, not content-encoded) response the
+    underlying http.client response fills ``out`` directly; urllib3's byte accounting
+    and connection release are kept as its own ``read`` keeps them.
+    """
+    raw: Any = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if (not isinstance(fp, http.client.HTTPResponse) or fp.chunked
+            or raw.headers.get("content-encoding") or not hasattr(raw, "_fp_bytes_read")):
+        return int(body.readinto(out))
+    try:
+        n = fp.readinto(out)
+    except TimeoutError as exc:
+        raise ReadTimeoutError(endpoint_url="", error=exc) from exc
+    except (http.client.HTTPException, OSError) as exc:
+        raise ResponseStreamingError(error=exc) from exc
+    raw._fp_bytes_read += n
+    if raw.length_remaining is not None:
+        raw.length_remaining -= n
+        if not n and len(out) and raw.length_remaining > 0:  # connection cut short
+            raise ResponseStreamingError(error=http.client.IncompleteRead(
+                b"", raw.length_remaining))
+    if fp.isclosed():  # all of it read: hand the connection back to the pool
+        raw.release_conn()
+    return n
+
+
 def _body(data: memoryview) -> bytes | bytearray:
     """A request body for botocore (which wants bytes-like objects it knows, not views),
     without copying when the view spans its whole buffer."""
@@ -335,8 +368,10 @@ class S3MultipartUpload(MultipartUpload):
         try:
             head = self.backend._request("head_object", Bucket=self.backend.bucket,
                                          Key=self.physical_key)
-        except ClientError:
-            return False
+        except ClientError as exc:
+            if _is_not_found(exc):
+                return False
+            raise  # e.g. throttled: retry the completion, do not fail it for good
         return int(head.get("ContentLength", -1)) == self._size
 
     def _abort_multipart(self, upload_id: str) -> None:
@@ -483,6 +518,14 @@ class S3Backend(Backend):
             user_agent_extra="dcpstore-s3",
         )
         client = session.create_client("s3", endpoint_url=o.endpoint_url, config=config)
+        resolved = urlsplit(str(client.meta.endpoint_url))
+        if resolved.username is not None or resolved.password is not None:
+            client.close()  # e.g. AWS_ENDPOINT_URL_S3=http://user:pass@host; never echo it
+            raise ValueError(
+                "the S3 endpoint URL (from the environment or the AWS config) carries "
+                "credentials; credentials never belong in a URL. Use AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY, a profile or a role."
+            )
         logger.debug(
             "S3 client for s3://%s: endpoint %s, region %s, addressing %s, anonymous %s, "
             "unsigned payload %s", self.bucket, _redact_url(client.meta.endpoint_url),
@@ -541,13 +584,16 @@ class S3Backend(Backend):
         return S3MultipartUpload(self, key)
 
     def _read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self._read_into_scatter(key, offset, [out])
+
+    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         def fetch(physical: str) -> None:
-            self._get_range(physical, offset, out)
+            self._get_range(physical, offset, outs)
 
         self._with_fallback(key, fetch)
 
-    def _get_range(self, physical: str, offset: int, out: memoryview) -> None:
-        length = len(out)
+    def _get_range(self, physical: str, offset: int, outs: Sequence[memoryview]) -> None:
+        length = sum(len(o) for o in outs)
         try:
             response = self._request(
                 "get_object", Bucket=self.bucket, Key=physical,
@@ -566,11 +612,16 @@ class S3Backend(Backend):
             if status == 200 and offset:
                 _skip(body, offset)  # a store that ignored the Range header
             pos = 0
-            while pos < length:
-                n = body.readinto(out[pos:])
-                if not n:
+            for out in outs:  # one response body, read straight into each buffer in turn
+                filled = 0
+                while filled < len(out):
+                    n = _readinto(body, out[filled:])
+                    if not n:
+                        break
+                    filled += n
+                pos += filled
+                if filled < len(out):
                     break
-                pos += n
             with self._stats_lock:
                 self._bytes_in += pos
             if pos < length:
@@ -825,38 +876,11 @@ class S3Backend(Backend):
         return self.options.endpoint_url
 
 
-_TOKEN_PATTERN = re.compile(
-    r"(?i)(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s&,}]+"
-)
-_redaction_installed = False
-
-
-class _RedactSessionTokens(logging.Filter):
-    """Blank AWS session tokens out of botocore's DEBUG records: it logs the signed
-    request headers (``X-Amz-Security-Token``) and the canonical request verbatim."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:
-            return True
-        if "security-token" in message.lower():
-            record.msg = _TOKEN_PATTERN.sub(r"\1***", message)
-            record.args = ()
-        return True
-
-
 def _install_log_redaction() -> None:
-    """Attach :class:`_RedactSessionTokens` to the botocore loggers that print request
-    headers (once per process)."""
-    global _redaction_installed
-    with _loader_lock:
-        if _redaction_installed:
-            return
-        for name in ("botocore.endpoint", "botocore.auth", "botocore.parsers",
-                     "botocore.hooks", "botocore.httpsession", "botocore.awsrequest"):
-            logging.getLogger(name).addFilter(_RedactSessionTokens())
-        _redaction_installed = True
+    """Blank credentials out of botocore's DEBUG records: it logs the signed request
+    headers (``Authorization`` with the access key id, ``X-Amz-Security-Token``) and the
+    canonical request verbatim (see :mod:`dcpstore.redact`)."""
+    install_log_redaction()
 
 
 _loader_lock = threading.Lock()
@@ -885,7 +909,7 @@ def _describe_cause(exc: BaseException) -> str:
     """The innermost reason of a botocore connection error, without URLs' userinfo."""
     error = getattr(exc, "kwargs", {}).get("error")
     reason = error if error is not None else exc
-    text = str(reason)
+    text = redact(str(reason))
     return text.split(": ", 1)[-1] if "Connection" in text else text
 
 
