@@ -40,9 +40,10 @@ import errno
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote as _urlquote
@@ -99,7 +100,8 @@ class GCSOptions(BackendOptions):
 
     endpoint_url: str | None = None
     project: str | None = None
-    token: str | None = None
+    # may carry credentials (a service-account dict, a credentials object): never shown
+    token: str | None = field(default=None, repr=False)
     requester_pays: bool = False
     connect_timeout: float = 10.0
     max_concurrency: int = 16
@@ -112,6 +114,16 @@ class GCSOptions(BackendOptions):
             raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout}")
         if self.part_size < 256 * 1024:
             raise ValueError(f"part_size must be >= 256 KiB for GCS, got {self.part_size}")
+        if self.endpoint_url is not None:
+            url = self.endpoint_url if "://" in self.endpoint_url else f"http://{self.endpoint_url}"
+            parts = urlsplit(url)
+            if parts.username is not None or parts.password is not None:
+                # never echo it: it carries a secret
+                raise ValueError(
+                    "endpoint_url carries credentials; credentials never belong in a URL. "
+                    "Use GOOGLE_APPLICATION_CREDENTIALS, application-default credentials or "
+                    "token=..."
+                )
 
 
 class GCSRequestError(Exception):
@@ -231,37 +243,54 @@ class _CompositeUpload(MultipartUpload):
         return name
 
     def _complete(self, upload_id: str, parts: list[tuple[int, Any]]) -> None:
+        # Retried as a whole by the backend: every compose is idempotent (same sources,
+        # same target), so the parts are deleted only once the final object is there. A
+        # failed attempt (even one whose compose landed but whose response was lost) must
+        # leave them for the next one; if every attempt fails, abort() removes them.
         be = self.backend
         names: list[str] = [name for _, name in parts]
         temporary = list(names)
         level = 0
+        while len(names) > MAX_COMPOSE_SOURCES:
+            groups = [names[i:i + MAX_COMPOSE_SOURCES]
+                      for i in range(0, len(names), MAX_COMPOSE_SOURCES)]
+            targets = [self._part_name(upload_id, f"c{level}-{i:04d}")
+                       for i in range(len(groups))]
+            temporary += targets
+            be._run(be._gather(
+                [be._compose(group, target) for group, target in zip(groups, targets,
+                                                                     strict=True)]))
+            names = targets
+            level += 1
+        final = be._name(self.key)
+        meta = be._run(be._compose(names, final))
+        stored = meta.get("crc32c")
+        if stored and _crc_from_b64(stored) != self._crc:
+            be._run(be._delete_objects([final]))
+            raise IntegrityError(
+                f"gs://{be.bucket}/{final}: composed object has CRC32C {stored}, the "
+                f"uploaded stream {_crc_b64(self._crc)}; the object was deleted"
+            )
+        self._delete_parts(temporary)
+
+    def _delete_parts(self, names: list[str]) -> None:
+        """Delete temporary parts, retrying only the deletes that failed (one failure
+        among hundreds must not restart them all); leftovers are logged and found by
+        ``list_uploads`` / ``dcpstore gc``. Never raises: the object is committed."""
+        be = self.backend
+        left = names
         try:
-            while len(names) > MAX_COMPOSE_SOURCES:
-                groups = [names[i:i + MAX_COMPOSE_SOURCES]
-                          for i in range(0, len(names), MAX_COMPOSE_SOURCES)]
-                targets = [self._part_name(upload_id, f"c{level}-{i:04d}")
-                           for i in range(len(groups))]
-                temporary += targets
-                be._run(be._gather(
-                    [be._compose(group, target) for group, target in zip(groups, targets,
-                                                                         strict=True)]))
-                names = targets
-                level += 1
-            final = be._name(self.key)
-            meta = be._run(be._compose(names, final))
-            stored = meta.get("crc32c")
-            if stored and _crc_from_b64(stored) != self._crc:
-                be._run(be._delete_objects([final]))
-                raise IntegrityError(
-                    f"gs://{be.bucket}/{final}: composed object has CRC32C {stored}, the "
-                    f"uploaded stream {_crc_b64(self._crc)}; the object was deleted"
-                )
-        finally:
-            try:
-                be._run(be._delete_objects(temporary))
-            except Exception as exc:  # leftovers are found by list_uploads / dcpstore gc
-                logger.warning("could not delete %d temporary parts of %s: %s",
-                               len(temporary), self.key, exc)
+            for attempt in range(be.options.max_attempts):
+                if attempt:
+                    time.sleep(min(be.options.retry_backoff * 2 ** attempt,
+                                   be.options.retry_backoff_max))
+                left = be._run(be._delete_each(left))
+                if not left:
+                    return
+        except Exception as exc:
+            logger.debug("deleting temporary parts of %s failed: %s", self.key, exc)
+        logger.warning("could not delete %d of %d temporary parts of %s; `dcpstore gc` "
+                       "removes them", len(left), len(names), self.key)
 
     def _abort_multipart(self, upload_id: str) -> None:
         self.backend._abort_upload_id(upload_id)
@@ -411,6 +440,8 @@ class GCSBackend(Backend):
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for c in coros:  # cancelled before they started: no "never awaited" warning
+                c.close()
             raise
 
     # -- requests ----------------------------------------------------------------------
@@ -440,6 +471,22 @@ class GCSBackend(Backend):
             await self._request("DELETE", self._url("o", _q(name)), ok_statuses=(404,))
 
         await self._gather([one(n) for n in names])
+
+    async def _delete_each(self, names: Sequence[str]) -> list[str]:
+        """Try to delete every object (a missing one is fine); return those that failed."""
+        sem = asyncio.Semaphore(self.options.max_concurrency)
+
+        async def one(name: str) -> bool:
+            async with sem:
+                try:
+                    await self._request("DELETE", self._url("o", _q(name)), ok_statuses=(404,))
+                except Exception as exc:
+                    logger.debug("DELETE %s failed: %s", name, exc)
+                    return False
+                return True
+
+        done = await asyncio.gather(*(one(n) for n in names))
+        return [n for n, ok in zip(names, done, strict=True) if not ok]
 
     async def _list_names(self, prefix: str) -> list[tuple[str, int, float | None]]:
         out: list[tuple[str, int, float | None]] = []
@@ -628,6 +675,11 @@ class GCSBackend(Backend):
             return ConnectionError(
                 f"cannot reach GCS at {self._safe_endpoint()} for {where}: {exc}. Check "
                 "endpoint_url / STORAGE_EMULATOR_HOST and that the server is running"
+            )
+        if isinstance(exc, aiohttp.ClientPayloadError):  # a response cut short, every time
+            return ConnectionError(
+                f"connection to GCS at {self._safe_endpoint()} dropped during a request for "
+                f"{where} ({self.options.max_attempts} attempt(s)): {exc}"
             )
         if isinstance(exc, EOFError):
             return OSError(str(exc))
