@@ -231,6 +231,8 @@ def save(
                 logger.warning("could not remove the files of the failed save at %s (%s); "
                                "`dcpstore gc` will", writer.backend.uri, cleanup)
         raise _unwrap(exc) from exc
+    finally:
+        writer.backend.close()  # this call made it: release its threads and connections
 
 
 def load(
@@ -266,4 +268,6 @@ def load(
         if reader.metadata_error is not None:
             raise reader.metadata_error from exc
         raise _unwrap(exc) from exc
+    finally:
+        reader.backend.close()
 

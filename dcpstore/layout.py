@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
+from .errors import IntegrityError
 from .manifest import SAVE_ID_PREFIX, manifest_key
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "manifest_key",
     "new_save_id",
     "save_id_of",
+    "save_id_of_metadata",
 ]
 
 METADATA_KEY = ".metadata"
@@ -51,6 +54,28 @@ def save_id_of(key: str) -> str | None:
     if m is None or not m.group("save"):
         return None
     return SAVE_ID_PREFIX + m.group("save")
+
+
+def save_id_of_metadata(metadata: Any, *, source: str = ".metadata") -> str | None:
+    """The dcpstore save id a DCP ``Metadata`` names (``None``: another writer's).
+
+    Raises:
+        IntegrityError: Its data files carry a dcpstore save id but ``storage_meta`` does
+            not name one: it was damaged, and skipping the manifest would load unverified.
+    """
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    if isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX):
+        return save_id
+    paths = {getattr(i, "relative_path", "") for i in (getattr(metadata, "storage_data", None)
+                                                        or {}).values()}
+    written = sorted({s for s in map(save_id_of, paths) if s is not None})
+    if written:
+        raise IntegrityError(
+            f"{source} is damaged: its data files belong to dcpstore save {written[0]}, but "
+            f"it names save id {save_id!r}, so its integrity manifest cannot be found; "
+            "restore it or load an older checkpoint"
+        )
+    return None
 
 
 def is_checkpoint_object(key: str) -> bool:

@@ -166,8 +166,9 @@ class Manifest:
         if len(raw) != self.metadata.size or actual != self.metadata.crc32c:
             raise IntegrityError(
                 f"{source} is damaged: {len(raw)} bytes with CRC32C {actual:08x}, the "
-                f"manifest recorded {self.metadata.size} bytes with CRC32C "
-                f"{self.metadata.crc32c:08x}; restore it or load an older checkpoint"
+                f"manifest {manifest_key(self.save_id)} recorded {self.metadata.size} bytes "
+                f"with CRC32C {self.metadata.crc32c:08x} (one of the two was modified after "
+                "the save); restore it or load an older checkpoint"
             )
 
     def item_crc(self, relative_path: str, offset: int, length: int) -> int | None:

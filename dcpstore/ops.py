@@ -15,15 +15,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import layout
 from .api import open_backend
 from .backend import Backend, ObjectInfo, ReadRange
 from .checkpointer import delete_checkpoint
-from .errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    UnsafeCheckpointError,
+)
 from .manifest import SAVE_ID_PREFIX, FileRecord, Manifest, crc32c
 from .safe_pickle import safe_loads
+from .uri import validate_key
 
 __all__ = [
     "CheckpointInfo",
@@ -71,25 +78,63 @@ def _group_by_dir(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
     return groups
 
 
-def _read_manifest(backend: Backend, save_id: Any) -> Manifest | None:
+def _read_manifest(backend: Backend, save_id: Any, *, required: bool = False
+                   ) -> Manifest | None:
+    """The manifest of ``save_id``; a missing one is ``None`` unless ``required``."""
     if not (isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)):
         return None
     key = layout.manifest_key(save_id)
     try:
         return Manifest.from_bytes(backend.get(key), source=f"{backend.uri}/{key}")
     except FileNotFoundError:
+        if required:
+            raise IntegrityError(
+                f"{backend.uri}: the integrity manifest {key} named by .metadata is missing; "
+                "the checkpoint was damaged after it was written"
+            ) from None
         return None
 
 
-def _read_metadata(backend: Backend) -> Metadata:
+def _parse_metadata(raw: bytes, source: str) -> Metadata:
+    """Unpickle ``.metadata`` safely and check that it is DCP metadata whose storage
+    entries stay inside the checkpoint (as the reader does before loading).
+
+    Raises:
+        UnsafeCheckpointError: It would import or call something not allowed.
+        UnsafeKeyError: A storage entry points outside the checkpoint root.
+        IntegrityError: It is damaged.
+    """
+    try:
+        md = safe_loads(raw, source=source)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise IntegrityError(f"{source} is damaged and cannot be read: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(md, Metadata):
+        raise IntegrityError(f"{source} holds a {type(md).__name__}, not DCP metadata")
+    for index, info in (getattr(md, "storage_data", None) or {}).items():
+        path, *sizes = (getattr(info, name, None) for name in ("relative_path", "offset",
+                                                               "length"))
+        if not (isinstance(info, _StorageInfo) and isinstance(path, str)
+                and all(isinstance(n, int) and n >= 0 for n in sizes)):
+            raise IntegrityError(f"{source}: storage entry of "
+                                 f"{getattr(index, 'fqn', index)!r} is malformed")
+        validate_key(path)
+    return md
+
+
+def _load_metadata(backend: Backend) -> tuple[Metadata, bytes]:
+    """``.metadata`` of a checkpoint, parsed and raw."""
     try:
         raw = backend.get(layout.METADATA_KEY)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {backend.uri} (no .metadata)") from None
-    md = safe_loads(raw, source=f"{backend.uri}/.metadata")
-    if not isinstance(md, Metadata):
-        raise IntegrityError(f"{backend.uri}/.metadata is not DCP metadata")
-    return md
+    return _parse_metadata(raw, f"{backend.uri}/.metadata"), raw
+
+
+def _read_metadata(backend: Backend) -> Metadata:
+    return _load_metadata(backend)[0]
 
 
 def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
@@ -198,10 +243,35 @@ def verify_checkpoint(uri: str, *, progress: Progress = _noop, concurrency: int 
     """Re-read every data file and check sizes and CRC32C against the manifest."""
     started = time.perf_counter()
     backend = open_backend(uri, **options)
+    try:
+        report = _verify(backend, uri, progress, concurrency)
+    finally:
+        backend.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) -> VerifyReport:
     report = VerifyReport(uri)
-    md = _read_metadata(backend)
-    manifest = _read_manifest(backend, getattr(md.storage_meta, "save_id", None))
+    md, raw = _load_metadata(backend)
+    source = f"{backend.uri}/.metadata"
+    manifest = _read_manifest(backend, layout.save_id_of_metadata(md, source=source),
+                              required=True)
     names = {(i.relative_path, i.offset): idx.fqn for idx, i in (md.storage_data or {}).items()}
+    if manifest is not None:
+        try:
+            manifest.check_metadata(raw, source=source)
+        except IntegrityError as exc:
+            report.errors.append(str(exc))
+        for index, info in (md.storage_data or {}).items():  # as the reader checks them
+            try:
+                known = manifest.item_crc(info.relative_path, info.offset, info.length)
+            except IntegrityError as exc:
+                report.errors.append(str(exc))
+                continue
+            if known is None:
+                report.errors.append(f"{info.relative_path}: item {index.fqn!r} at offset "
+                                     f"{info.offset} named by .metadata is not in the manifest")
     if manifest is None:
         report.has_manifest = False
         expected = {i.relative_path for i in (md.storage_data or {}).values()}
@@ -221,7 +291,9 @@ def verify_checkpoint(uri: str, *, progress: Progress = _noop, concurrency: int 
         try:
             size = backend.stat(path).size
         except FileNotFoundError:
-            return 0, 0, [f"{path}: missing"]
+            held = [names[(path, o)] for o, _, _ in rec.items if (path, o) in names]
+            return 0, 0, [f"{path}: missing" + (f" (holds items {', '.join(map(repr, held))})"
+                                                 if held else "")]
         if size != rec.size:
             errors.append(f"{path}: size {size}, manifest says {rec.size}")
         file_crc = 0
@@ -256,8 +328,6 @@ def verify_checkpoint(uri: str, *, progress: Progress = _noop, concurrency: int 
             report.items += n_items
             report.bytes += n_bytes
             report.errors += errors
-    backend.close()
-    report.seconds = time.perf_counter() - started
     return report
 
 
@@ -271,15 +341,14 @@ def copy_checkpoint(src: str, dst: str, *, progress: Progress = _noop, concurren
     """
     source = open_backend(src, **(src_options or {}))
     target = open_backend(dst, **(dst_options or {}))
-    md_raw = source.get(layout.METADATA_KEY) if source.exists(layout.METADATA_KEY) else None
-    if md_raw is None:
-        raise CheckpointNotFoundError(f"no checkpoint at {source.uri} (no .metadata)")
-    md = safe_loads(md_raw, source=f"{source.uri}/.metadata")
+    md, md_raw = _load_metadata(source)
     if target.exists(layout.METADATA_KEY) and not overwrite:
         raise CheckpointExistsError(f"a checkpoint already exists at {target.uri}; pass "
                                     "--overwrite to replace it")
-    save_id = str(getattr(md.storage_meta, "save_id", None))
-    manifest = _read_manifest(source, save_id)
+    save_id = str(layout.save_id_of_metadata(md, source=f"{source.uri}/.metadata"))
+    manifest = _read_manifest(source, save_id, required=True)
+    if manifest is not None:
+        manifest.check_metadata(md_raw, source=f"{source.uri}/.metadata")
     paths = sorted({i.relative_path for i in (md.storage_data or {}).values()})
 
     def copy_one(path: str) -> int:

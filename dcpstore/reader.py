@@ -331,7 +331,8 @@ class Reader(StorageReader):
         except UnsafeCheckpointError:
             raise
         except Exception as exc:
-            raise IntegrityError(f"{source} is damaged and cannot be read: {exc}") from exc
+            raise IntegrityError(f"{source} is damaged and cannot be read: "
+                                 f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(metadata, Metadata):
             raise IntegrityError(f"{source} holds a {type(metadata).__name__}, not DCP Metadata")
         for index, info in (metadata.storage_data or {}).items():
@@ -478,7 +479,12 @@ class Reader(StorageReader):
         fqn = req.storage_index.fqn
         try:
             decoded = decode_tensor([head, payload, tail])
-        except (pickle.UnpicklingError, RuntimeError) as exc:
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} is not a plain "
+                f"tensor ({exc})"
+            ) from exc
+        except RuntimeError as exc:
             raise IntegrityError(
                 f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} at offset "
                 f"{info.offset} cannot be decoded: {exc}"

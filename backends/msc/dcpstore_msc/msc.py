@@ -35,7 +35,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 from urllib.parse import urlsplit
 
@@ -43,6 +43,7 @@ from typing_extensions import Buffer
 
 from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
 from dcpstore.errors import DcpstoreError, StoreTimeoutError
+from dcpstore.redact import install_log_redaction, redact
 from dcpstore.uri import ParsedURI
 
 __all__ = [
@@ -74,7 +75,8 @@ class MSCOptions(BackendOptions):
             profile's ``retry`` section), so the default is one.
     """
 
-    config: dict[str, Any] | str | None = None
+    # a config dict may hold credentials (credentials_provider options): never shown
+    config: dict[str, Any] | str | None = field(default=None, repr=False)
     spool_dir: str | None = None
     fsync: bool = True
     max_attempts: int = 1
@@ -177,6 +179,19 @@ def _implicit(url: str, config: dict[str, Any]) -> tuple[str, str, dict[str, Any
         merged["profiles"].update(
             create_implicit_profile_config(profile, protocol, base)["profiles"])
     return profile, path, merged
+
+
+def _check_endpoint(config: dict[str, Any], profile: str) -> None:
+    """Refuse a profile whose endpoint URL carries ``user:password@`` (never echoed: the
+    client libraries would print it in their logs and errors)."""
+    endpoint: Any = config.get("profiles") or {}
+    for name in (profile, "storage_provider", "options", "endpoint_url"):
+        endpoint = endpoint.get(name) if isinstance(endpoint, dict) else None
+    if isinstance(endpoint, str) and "@" in urlsplit(endpoint).netloc:
+        raise MSCConfigError(
+            f"the endpoint_url of MSC profile {profile!r} carries credentials; credentials "
+            "never belong in a URL: put them in the profile's credentials_provider"
+        )
 
 
 def _client_for(config: dict[str, Any], profile: str) -> Any:
@@ -370,6 +385,7 @@ class MSCBackend(Backend):
             return client
         with self._resolve_lock:
             if self._msc is None:
+                install_log_redaction()  # MSC's S3 provider is botocore: same DEBUG logs
                 self._msc, self.profile, self.root = self._resolve()
             return self._msc
 
@@ -380,6 +396,7 @@ class MSCBackend(Backend):
             profile, path = _split_msc_url(url)
             config, source = _load_config(explicit)
             self._check_profile(profile, config, source)
+            _check_endpoint(config, profile)
             if explicit is None:
                 import multistorageclient as msc
 
@@ -396,6 +413,7 @@ class MSCBackend(Backend):
             return client, client.profile, _root(path)
         config, _ = _load_config(explicit)
         profile, path, merged = _implicit(url, config)
+        _check_endpoint(merged, profile)
         return _client_for(merged, profile), profile, _root(path)
 
     def _check_profile(self, profile: str, config: dict[str, Any], source: str) -> None:
@@ -503,31 +521,32 @@ class MSCBackend(Backend):
             return None
         where = f"{self.location}/{key}" if key else self.location
         profile = f" (MSC profile {self.profile!r})" if self.profile else ""
+        text = redact(str(exc))  # the client's message, quoted below
         chain = _chain(exc)
         code = _s3_code(chain)
         if code in ("NoSuchBucket",) or _is_missing_container(chain):
             return StorageNotFoundError(
                 f"the bucket/container behind {self.location}{profile} does not exist: "
-                f"{exc}; create it or fix the profile's base_path"
+                f"{text}; create it or fix the profile's base_path"
             )
         if isinstance(exc, FileNotFoundError):
-            return FileNotFoundError(errno.ENOENT, f"no such object {where}{profile}: {exc}")
+            return FileNotFoundError(errno.ENOENT, f"no such object {where}{profile}: {text}")
         if isinstance(exc, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId",
                                                         "SignatureDoesNotMatch", "Forbidden"):
-            return PermissionError(errno.EACCES, f"permission denied for {where}{profile}: {exc}")
+            return PermissionError(errno.EACCES, f"permission denied for {where}{profile}: {text}")
         if _status(chain) == 416 or isinstance(exc, EOFError):
-            return OSError(f"{where}: byte range past the end of the object: {exc}")
+            return OSError(f"{where}: byte range past the end of the object: {text}")
         if any(_is_timeout(e) for e in chain):
-            return StoreTimeoutError(f"request for {where}{profile} timed out: {exc}")
+            return StoreTimeoutError(f"request for {where}{profile} timed out: {text}")
         if any(_is_connection(e) for e in chain):
             return ConnectionError(
-                f"cannot reach the storage of {where}{profile}: {exc}. Check the profile's "
+                f"cannot reach the storage of {where}{profile}: {text}. Check the profile's "
                 "endpoint and that the server is running"
             )
         from multistorageclient.types import RetryableError
 
         if isinstance(exc, (RetryableError, RuntimeError)):
-            return OSError(f"MSC request for {where}{profile} failed: {exc}")
+            return OSError(f"MSC request for {where}{profile} failed: {text}")
         return None
 
 
