@@ -30,6 +30,14 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# The benchmark (docs/performance.md): the full run (~15 min on 2 cores) writes the
+# committed results and the docs' chart; the quick one is CI's smoke test (< 2 min).
+bench: setup
+	$(BIN)/python -m benchmarks --out benchmarks/results/latest --publish
+
+bench-quick: setup
+	$(BIN)/python -m benchmarks --quick --out benchmarks/results/tmp/quick
+
 lint: setup
 	$(BIN)/ruff check dcpstore backends tests benchmarks
 	$(BIN)/mypy

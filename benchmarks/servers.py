@@ -1,0 +1,280 @@
+"""The stores the benchmark runs against, all on this machine.
+
+- ``local``: a directory on the local disk (``--local-dir``, default a temporary one);
+- ``seaweedfs``: SeaweedFS's S3 gateway (``weed mini``), the main S3 stand-in;
+- ``moto``: moto's S3 server (in memory, slow: runs a smaller state by default);
+- ``gcs``: fake-gcs-server (its ``memory`` backend: every object is held in RAM).
+
+The servers are the test suite's own (``tests/servers.py``, ``tests/gcs_server.py``),
+bound to 127.0.0.1 on free ports. With request counting on, each server also gets a
+:class:`dcpstore.testing.FaultProxy` with no faults in front of it, used only by the
+untimed counting runs. Every client gets the server's credentials the same way: the
+``AWS_*`` environment variables of :meth:`S3Server.env` (endpoints are passed to each
+client explicitly, since not all of them read ``AWS_ENDPOINT_URL``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUCKET", "STORE_KINDS", "StoreInfo", "Stores"]
+
+logger = logging.getLogger(__name__)
+
+_TESTS = Path(__file__).resolve().parent.parent / "tests"
+if str(_TESTS) not in sys.path:
+    sys.path.insert(0, str(_TESTS))
+
+#: Bucket every server store uses.
+BUCKET = "dcpstore-bench"
+#: Store name -> kind of store.
+STORE_KINDS = {"local": "local", "seaweedfs": "s3", "moto": "s3", "gcs": "gcs"}
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """Everything a rank needs to reach a store (picklable; sent with every job).
+
+    Attributes:
+        name: ``local``, ``seaweedfs``, ``moto`` or ``gcs``.
+        kind: ``local``, ``s3`` or ``gcs``.
+        root: The directory (local) or the bucket (servers).
+        endpoint_url: ``http://127.0.0.1:<port>`` of the server (or of its counting
+            proxy in :meth:`counted`).
+        region: Region clients sign for.
+        env: Environment variables every client of this store gets (credentials).
+        msc_config: Path of the MSC configuration with this store's profiles.
+        msc_profile: MSC profile reaching the server directly.
+        msc_profile_counted: MSC profile reaching it through the counting proxy.
+        proxy_url: The counting proxy's endpoint (``None`` when counting is off).
+    """
+
+    name: str
+    kind: str
+    root: str
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    env: dict[str, str] = field(default_factory=dict)
+    msc_config: str | None = None
+    msc_profile: str | None = None
+    msc_profile_counted: str | None = None
+    proxy_url: str | None = None
+
+    def counted(self) -> StoreInfo:
+        """The same store reached through its counting proxy."""
+        if self.proxy_url is None:
+            raise ValueError(f"store {self.name} has no counting proxy")
+        return replace(self, endpoint_url=self.proxy_url, msc_profile=self.msc_profile_counted)
+
+
+class Stores:
+    """Start the stores that are asked for; stop them on exit.
+
+    Args:
+        names: Store names (keys of :data:`STORE_KINDS`).
+        workdir: Where the MSC configuration is written.
+        local_dir: Directory of the ``local`` store (default: a new temporary one).
+        count_requests: Put a counting proxy in front of every server.
+    """
+
+    def __init__(self, names: list[str], workdir: Path, *, local_dir: str | None = None,
+                 count_requests: bool = True) -> None:
+        self.names = names
+        self.workdir = workdir
+        self.local_dir = local_dir
+        self.count_requests = count_requests
+        self.info: dict[str, StoreInfo] = {}
+        self.proxies: dict[str, Any] = {}
+        self._servers: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+        self._own_local_dir: str | None = None
+
+    def __enter__(self) -> Stores:
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+        if self._own_local_dir is not None:
+            shutil.rmtree(self._own_local_dir, ignore_errors=True)
+
+    def _proxy(self, name: str, upstream: str) -> str | None:
+        if not self.count_requests:
+            return None
+        from dcpstore.testing import FaultProxy
+
+        proxy = self._stack.enter_context(FaultProxy(upstream))
+        self.proxies[name] = proxy
+        return str(proxy.endpoint_url)
+
+    def _start(self) -> None:
+        profiles: dict[str, Any] = {}
+        for name in self.names:
+            kind = STORE_KINDS[name]
+            if kind == "local":
+                root = self.local_dir
+                if root is None:
+                    root = self._own_local_dir = tempfile.mkdtemp(prefix="dcpstore-bench-")
+                os.makedirs(root, exist_ok=True)
+                self.info[name] = StoreInfo(name, kind, os.path.abspath(root))
+            elif kind == "s3":
+                from servers import moto_server, seaweedfs_server
+
+                if name == "seaweedfs":
+                    server = self._stack.enter_context(seaweedfs_server(bucket=BUCKET))
+                else:
+                    server = self._stack.enter_context(moto_server())
+                    server.create_bucket(BUCKET)
+                self._servers[name] = server
+                proxy = self._proxy(name, server.endpoint_url)
+                profile = f"bench-{name}"
+                profiles[profile] = _msc_profile(server.endpoint_url, server.region)
+                if proxy is not None:
+                    profiles[profile + "-counted"] = _msc_profile(proxy, server.region)
+                self.info[name] = StoreInfo(
+                    name, kind, BUCKET, server.endpoint_url, server.region, server.env(),
+                    msc_profile=profile,
+                    msc_profile_counted=profile + "-counted" if proxy else None,
+                    proxy_url=proxy)
+            elif kind == "gcs":
+                from gcs_server import fake_gcs_server
+
+                gcs = self._stack.enter_context(fake_gcs_server())
+                gcs.create_bucket(BUCKET)
+                self._servers[name] = gcs
+                proxy = self._proxy(name, gcs.endpoint_url)
+                self.info[name] = StoreInfo(
+                    name, kind, BUCKET, gcs.endpoint_url,
+                    env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, proxy_url=proxy)
+            else:  # pragma: no cover - names are validated by the CLI
+                raise ValueError(f"unknown store {name!r}")
+            logger.info("store %s ready: %s", name, self.info[name].endpoint_url
+                        or self.info[name].root)
+        if profiles:
+            config = self.workdir / "msc_config.yaml"
+            _write_yaml(config, {"profiles": profiles})
+            for name, info in self.info.items():
+                if info.kind == "s3":
+                    self.info[name] = replace(info, msc_config=str(config))
+
+    # -- housekeeping (untimed, from the orchestrator) ------------------------------------
+
+    def delete(self, name: str, path: str) -> None:
+        """Delete everything under ``path`` of store ``name`` (a finished case)."""
+        info = self.info[name]
+        try:
+            if info.kind == "local":
+                shutil.rmtree(os.path.join(info.root, path), ignore_errors=True)
+            elif info.kind == "s3":
+                _s3_delete_prefix(self._servers[name], info.root, path.rstrip("/") + "/")
+            else:
+                _gcs_delete_prefix(info, path.rstrip("/") + "/")
+        except Exception as exc:  # cleanup must not fail the benchmark
+            logger.warning("could not delete %s from %s: %s", path, name, exc)
+
+    def evict(self, name: str, path: str) -> None:
+        """Drop the page cache of the files under ``path`` (local store only), so the
+        next load reads from the disk rather than from memory."""
+        info = self.info[name]
+        if info.kind != "local":
+            return
+        for dirpath, _dirs, files in os.walk(os.path.join(info.root, path)):
+            for fname in files:
+                with contextlib.suppress(OSError):
+                    fd = os.open(os.path.join(dirpath, fname), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready description of each store (no secrets)."""
+        out: dict[str, Any] = {}
+        for name, info in self.info.items():
+            server = self._servers.get(name)
+            out[name] = {"kind": info.kind, "root": info.root,
+                         "endpoint_url": info.endpoint_url,
+                         "server": getattr(server, "kind", None) or name,
+                         "counting_proxy": info.proxy_url is not None}
+        return out
+
+
+def _msc_profile(endpoint: str, region: str) -> dict[str, Any]:
+    # no credentials_provider: MSC's S3 provider takes the same AWS_* environment as
+    # every other client
+    return {"storage_provider": {"type": "s3", "options": {
+        "base_path": BUCKET, "endpoint_url": endpoint, "region_name": region}}}
+
+
+def _write_yaml(path: Path, data: dict[str, Any]) -> None:
+    try:
+        import yaml
+
+        path.write_text(yaml.safe_dump(data))
+    except ImportError:  # JSON is YAML
+        import json
+
+        path.write_text(json.dumps(data, indent=1))
+
+
+def _s3_delete_prefix(server: Any, bucket: str, prefix: str) -> None:
+    client = server.client()
+    try:
+        for upload in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get(
+                "Uploads", []):
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
+                                              UploadId=upload["UploadId"])
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = client.list_objects_v2(**kwargs)
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            if not page.get("IsTruncated"):
+                break
+            token = page.get("NextContinuationToken")
+    finally:
+        client.close()
+
+
+def _gcs_delete_prefix(info: StoreInfo, prefix: str) -> None:
+    import json
+
+    base = f"{info.endpoint_url}/storage/v1/b/{info.root}/o"
+    names: list[str] = []
+    token = ""
+    while True:
+        query = {"prefix": prefix}
+        if token:
+            query["pageToken"] = token
+        with urllib.request.urlopen(f"{base}?{urllib.parse.urlencode(query)}",
+                                    timeout=30) as resp:
+            page = json.load(resp)
+        names += [item["name"] for item in page.get("items", [])]
+        token = page.get("nextPageToken", "")
+        if not token:
+            break
+    for name in names:
+        req = urllib.request.Request(f"{base}/{urllib.parse.quote(name, safe='')}",
+                                     method="DELETE")
+        with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=30):
+            pass

@@ -1,0 +1,772 @@
+"""The systems the benchmark compares: one small adapter each.
+
+Every adapter turns a save or a load of the rank's state into an :class:`Operation`
+whose :meth:`~Operation.run` is the only thing timed. Building writers, readers,
+clients, thread pools and (for the raw limits) the byte buffers happens before, untimed;
+the lazy set-up a library does on first use (connections, native clients) is timed, as
+a trainer would pay it.
+
+DCP systems (``dcp.save`` / ``dcp.load`` with the system's ``StorageWriter`` /
+``StorageReader``, library defaults unless ``--opt`` says otherwise):
+
+=====================  ==================================================================
+``dcpstore-local``     dcpstore, local backend (``fsync`` of data files and directory)
+``torch-fs``           torch ``FileSystemWriter(sync_files=True)`` / ``FileSystemReader``
+``dcpstore-s3``        dcpstore, S3 backend (botocore)
+``torch-fsspec-s3``    torch ``FsspecWriter`` / ``FsspecReader`` over s3fs
+``s3torchconnector``   ``S3StorageWriter`` / ``S3StorageReader`` (its default DCP reader)
+``msc``                multi-storage-client's ``MultiStorageFileSystemWriter`` / ``Reader``
+``dcpstore-msc``       dcpstore, MSC backend (same MSC profile)
+``dcpstore-gcs``       dcpstore, GCS backend (gcsfs session, JSON API)
+``torch-fsspec-gcs``   torch ``FsspecWriter`` / ``FsspecReader`` over gcsfs
+=====================  ==================================================================
+
+Limits (the same bytes, no DCP, no serialization, no checksums):
+
+=========================  ==============================================================
+``limit-local``            ``dd``-style: each rank writes its shards back to back into one
+                           file with 64 MiB ``write`` calls and ``fsync``; the load reads
+                           the file straight into the destination tensors
+``limit-s3[64MiBx8]``      botocore (boto3's client), unsigned payload, no checksums: a
+                           multipart upload of each rank's bytes, ``64MiB`` parts, ``8``
+                           in flight; the load is ranged ``GET`` s of part size, as many in
+                           flight, read from the socket straight into a preallocated
+                           buffer
+``limit-gcs[32MiBx8]``     aiohttp straight to the JSON API: each rank's bytes as
+                           part-sized objects (``uploadType=media``), that many in flight;
+                           the load ``GET`` s them (``alt=media``) into a buffer
+=========================  ==============================================================
+
+The bracket is the variant (part size x requests in flight); the benchmark runs several
+and calls the fastest "the limit".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .servers import StoreInfo
+from .workload import RankState, format_bytes, parse_size
+
+__all__ = [
+    "DEFAULT_SYSTEMS",
+    "OpContext",
+    "Operation",
+    "System",
+    "environment",
+    "get",
+    "split_variant",
+]
+
+logger = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+_WRITE_CHUNK = 64 * _MiB
+
+
+@dataclass
+class OpContext:
+    """Where and how one rank runs one operation.
+
+    Attributes:
+        store: The store (for counted runs: its proxy endpoint / MSC profile).
+        path: Checkpoint prefix relative to the store root.
+        rank: This rank.
+        world_size: Ranks taking part.
+        options: Options for the system (``--opt``).
+        counted: Whether this is an untimed request-counting run.
+    """
+
+    store: StoreInfo
+    path: str
+    rank: int
+    world_size: int
+    options: dict[str, Any] = field(default_factory=dict)
+    counted: bool = False
+
+
+@dataclass
+class Operation:
+    """A prepared save or load.
+
+    Attributes:
+        run: The timed part; returns system-specific figures.
+        verify: Untimed check after a load (``None``: the harness compares the
+            destination state with the expected one).
+        close: Untimed clean-up (thread pools, sessions).
+    """
+
+    run: Callable[[], dict[str, Any]]
+    verify: Callable[[], bool] | None = None
+    close: Callable[[], None] | None = None
+
+
+def environment(ctx: OpContext) -> dict[str, str]:
+    """Variables every client gets for this store (credentials, MSC config)."""
+    env = dict(ctx.store.env)
+    if ctx.store.kind == "s3" and ctx.store.endpoint_url:
+        env["AWS_ENDPOINT_URL"] = ctx.store.endpoint_url  # read by s3torchconnector's CRT
+    if ctx.store.msc_config:
+        env["MSC_CONFIG"] = ctx.store.msc_config
+    env.setdefault("NO_PROXY", "127.0.0.1,localhost")
+    return env
+
+
+class System:
+    """A system under test. Subclasses set the class attributes and the two hooks."""
+
+    #: Name on the command line and in the results.
+    name: ClassVar[str] = ""
+    #: Store kinds it runs on (``local``, ``s3``, ``gcs``).
+    kinds: ClassVar[tuple[str, ...]] = ()
+    #: Modules it needs (a missing one skips the system, with the reason).
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: A raw-I/O limit rather than a DCP system.
+    is_limit: ClassVar[bool] = False
+    #: One of dcpstore's own.
+    is_dcpstore: ClassVar[bool] = False
+    #: One line for the report.
+    description: ClassVar[str] = ""
+
+    def __init__(self, variant: str = "") -> None:
+        self.variant = variant
+
+    @property
+    def label(self) -> str:
+        """Name with variant, e.g. ``limit-s3[64MiBx8]``."""
+        return f"{self.name}[{self.variant}]" if self.variant else self.name
+
+    def unavailable(self) -> str | None:
+        """Why the system cannot run here (a missing package), or ``None``."""
+        for module in self.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return f"python module {module!r} is not installed"
+        return None
+
+    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
+        """Build what the save needs; return it ready to run."""
+        raise NotImplementedError
+
+    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
+        """Build what the load needs (the destination is zeroed); return it ready."""
+        raise NotImplementedError
+
+
+# -- DCP systems ---------------------------------------------------------------------------
+
+
+class DCPSystem(System):
+    """``dcp.save`` / ``dcp.load`` through a ``StorageWriter`` / ``StorageReader``."""
+
+    def writer(self, ctx: OpContext) -> Any:
+        """The storage writer for ``ctx``."""
+        raise NotImplementedError
+
+    def reader(self, ctx: OpContext) -> Any:
+        """The storage reader for ``ctx``."""
+        raise NotImplementedError
+
+    def save_figures(self, writer: Any) -> dict[str, Any]:
+        """Figures to report after a save."""
+        return {}
+
+    def load_figures(self, reader: Any) -> dict[str, Any]:
+        """Figures to report after a load."""
+        return {}
+
+    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
+        import torch.distributed.checkpoint as dcp
+
+        sd = state.source()
+        writer = self.writer(ctx)
+
+        def run() -> dict[str, Any]:
+            dcp.save(sd, storage_writer=writer)
+            return self.save_figures(writer)
+
+        return Operation(run, close=lambda: _close_backend(writer))
+
+    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
+        import torch.distributed.checkpoint as dcp
+
+        sd = state.destination()
+        reader = self.reader(ctx)
+
+        def run() -> dict[str, Any]:
+            dcp.load(sd, storage_reader=reader)
+            return self.load_figures(reader)
+
+        return Operation(run, close=lambda: _close_backend(reader))
+
+
+def _close_backend(obj: Any) -> None:
+    backend = getattr(obj, "backend", None)
+    if backend is not None and hasattr(backend, "close"):
+        backend.close()
+
+
+class Dcpstore(DCPSystem):
+    """dcpstore through one of its backends."""
+
+    is_dcpstore = True
+    scheme: ClassVar[str] = ""
+
+    def uri(self, ctx: OpContext) -> str:
+        """The checkpoint URI."""
+        raise NotImplementedError
+
+    def base_options(self, ctx: OpContext) -> dict[str, Any]:
+        """Options that point the backend at the store (endpoint, config)."""
+        return {}
+
+    def _options(self, ctx: OpContext, own: type[Any]) -> dict[str, Any]:
+        from dcpstore.options import option_names
+        from dcpstore.registry import backend_class
+        from dcpstore.uri import parse_uri
+
+        backend_cls = backend_class(parse_uri(self.uri(ctx)).scheme)
+        allowed = option_names(own) | option_names(backend_cls.Options)
+        opts = self.base_options(ctx)
+        opts.update({k: v for k, v in ctx.options.items() if k in allowed})
+        return opts
+
+    def writer(self, ctx: OpContext) -> Any:
+        import dcpstore
+
+        return dcpstore.get_writer(self.uri(ctx), **self._options(ctx, dcpstore.WriterOptions))
+
+    def reader(self, ctx: OpContext) -> Any:
+        import dcpstore
+
+        return dcpstore.get_reader(self.uri(ctx), **self._options(ctx, dcpstore.ReaderOptions))
+
+    @staticmethod
+    def _backend_figures(obj: Any) -> dict[str, Any]:
+        o = obj.backend.options
+        figures: dict[str, Any] = {"part_size": int(o.part_size),
+                                   "max_concurrency": int(o.max_concurrency)}
+        files = getattr(getattr(obj, "options", None), "files_per_rank", None)
+        if files is not None:
+            figures["files_per_rank"] = int(files)
+        counts = getattr(obj.backend, "request_counts", None)
+        if counts:
+            figures["backend_requests"] = dict(counts)
+        return figures
+
+    def save_figures(self, writer: Any) -> dict[str, Any]:
+        return self._backend_figures(writer)
+
+    def load_figures(self, reader: Any) -> dict[str, Any]:
+        figures = self._backend_figures(reader)
+        figures.update(bytes_read=int(reader.bytes_read), bytes_needed=int(reader.bytes_needed),
+                       range_requests=int(reader.requests))
+        return figures
+
+
+class DcpstoreLocal(Dcpstore):
+    name = "dcpstore-local"
+    kinds = ("local",)
+    requires = ("dcpstore",)
+    description = "dcpstore, local backend (fsync on)"
+
+    def uri(self, ctx: OpContext) -> str:
+        return os.path.join(ctx.store.root, ctx.path)
+
+
+class DcpstoreS3(Dcpstore):
+    name = "dcpstore-s3"
+    kinds = ("s3",)
+    requires = ("dcpstore_s3", "botocore")
+    description = "dcpstore, S3 backend (botocore)"
+
+    def uri(self, ctx: OpContext) -> str:
+        return f"s3://{ctx.store.root}/{ctx.path}"
+
+    def base_options(self, ctx: OpContext) -> dict[str, Any]:
+        return {"endpoint_url": ctx.store.endpoint_url, "region": ctx.store.region}
+
+
+class DcpstoreMSC(Dcpstore):
+    name = "dcpstore-msc"
+    kinds = ("s3",)
+    requires = ("dcpstore_msc", "multistorageclient")
+    description = "dcpstore, MSC backend (same MSC profile as msc)"
+
+    def uri(self, ctx: OpContext) -> str:
+        return f"msc://{ctx.store.msc_profile}/{ctx.path}"
+
+    def base_options(self, ctx: OpContext) -> dict[str, Any]:
+        return {"config": ctx.store.msc_config}
+
+
+class DcpstoreGCS(Dcpstore):
+    name = "dcpstore-gcs"
+    kinds = ("gcs",)
+    requires = ("dcpstore_gcs", "gcsfs")
+    description = "dcpstore, GCS backend"
+
+    def uri(self, ctx: OpContext) -> str:
+        return f"gs://{ctx.store.root}/{ctx.path}"
+
+    def base_options(self, ctx: OpContext) -> dict[str, Any]:
+        return {"endpoint_url": ctx.store.endpoint_url, "token": "anon"}
+
+
+class TorchFS(DCPSystem):
+    name = "torch-fs"
+    kinds = ("local",)
+    description = "torch FileSystemWriter(sync_files=True) / FileSystemReader"
+
+    def writer(self, ctx: OpContext) -> Any:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        opts = {"sync_files": True, **ctx.options}
+        return FileSystemWriter(os.path.join(ctx.store.root, ctx.path), **opts)
+
+    def reader(self, ctx: OpContext) -> Any:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(os.path.join(ctx.store.root, ctx.path))
+
+
+class TorchFsspec(DCPSystem):
+    """torch's fsspec writer/reader (``sync_files=False``: object stores have no fsync,
+    and torch would fall back to a machine-wide ``os.sync()``)."""
+
+    protocol: ClassVar[str] = ""
+
+    def storage_options(self, ctx: OpContext) -> dict[str, Any]:
+        """fsspec filesystem keyword arguments."""
+        raise NotImplementedError
+
+    def _uri(self, ctx: OpContext) -> str:
+        return f"{self.protocol}://{ctx.store.root}/{ctx.path}"
+
+    def writer(self, ctx: OpContext) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        opts = {"sync_files": False, **self.storage_options(ctx), **ctx.options}
+        return FsspecWriter(self._uri(ctx), **opts)
+
+    def reader(self, ctx: OpContext) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self._uri(ctx), **self.storage_options(ctx))
+
+
+class TorchFsspecS3(TorchFsspec):
+    name = "torch-fsspec-s3"
+    kinds = ("s3",)
+    requires = ("s3fs",)
+    protocol = "s3"
+    description = "torch FsspecWriter / FsspecReader over s3fs"
+
+    def storage_options(self, ctx: OpContext) -> dict[str, Any]:
+        return {"endpoint_url": ctx.store.endpoint_url,
+                "client_kwargs": {"region_name": ctx.store.region}}
+
+
+class TorchFsspecGCS(TorchFsspec):
+    name = "torch-fsspec-gcs"
+    kinds = ("gcs",)
+    requires = ("gcsfs",)
+    protocol = "gs"
+    description = "torch FsspecWriter / FsspecReader over gcsfs"
+
+    def storage_options(self, ctx: OpContext) -> dict[str, Any]:
+        return {"endpoint_url": ctx.store.endpoint_url, "token": "anon"}
+
+
+class S3TorchConnector(DCPSystem):
+    name = "s3torchconnector"
+    kinds = ("s3",)
+    requires = ("s3torchconnector", "s3torchconnectorclient")
+    description = "s3torchconnector S3StorageWriter / S3StorageReader (default reader)"
+
+    def _config(self) -> Any:
+        from s3torchconnector import S3ClientConfig
+
+        return S3ClientConfig(force_path_style=True)
+
+    def writer(self, ctx: OpContext) -> Any:
+        from s3torchconnector.dcp import S3StorageWriter
+
+        # the endpoint comes from AWS_ENDPOINT_URL (see environment())
+        return S3StorageWriter(ctx.store.region, f"s3://{ctx.store.root}/{ctx.path}",
+                               s3client_config=self._config(), **ctx.options)
+
+    def reader(self, ctx: OpContext) -> Any:
+        from s3torchconnector.dcp import S3StorageReader
+
+        return S3StorageReader(ctx.store.region, f"s3://{ctx.store.root}/{ctx.path}",
+                               s3client_config=self._config())
+
+
+class MSC(DCPSystem):
+    name = "msc"
+    kinds = ("s3",)
+    requires = ("multistorageclient",)
+    description = "multi-storage-client MultiStorageFileSystemWriter / Reader"
+
+    def writer(self, ctx: OpContext) -> Any:
+        from multistorageclient.contrib.torch import MultiStorageFileSystemWriter
+
+        return MultiStorageFileSystemWriter(f"msc://{ctx.store.msc_profile}/{ctx.path}",
+                                            **ctx.options)
+
+    def reader(self, ctx: OpContext) -> Any:
+        from multistorageclient.contrib.torch import MultiStorageFileSystemReader
+
+        return MultiStorageFileSystemReader(f"msc://{ctx.store.msc_profile}/{ctx.path}")
+
+
+# -- raw limits ----------------------------------------------------------------------------
+
+
+def split_variant(label: str) -> tuple[str, str]:
+    """``"limit-s3[64MiBx8]"`` -> ``("limit-s3", "64MiBx8")``; no bracket -> ``(label, "")``."""
+    m = re.fullmatch(r"([^\[\]]+)(?:\[([^\[\]]*)\])?", label)
+    if m is None:
+        raise ValueError(f"bad system name {label!r}")
+    return m.group(1), m.group(2) or ""
+
+
+def _parse_variant(variant: str, default: str) -> tuple[int, int]:
+    """``"64MiBx8"`` -> (part size, requests in flight)."""
+    text = variant or default
+    m = re.fullmatch(r"(.+?)x(\d+)", text)
+    if m is None:
+        raise ValueError(f"bad limit variant {text!r} (use e.g. 64MiBx8)")
+    return parse_size(m.group(1)), int(m.group(2))
+
+
+def variant_name(part_size: int, concurrency: int) -> str:
+    """(64 MiB, 8) -> ``"64MiBx8"``."""
+    return f"{format_bytes(part_size).replace(' ', '')}x{concurrency}"
+
+
+class LimitLocal(System):
+    name = "limit-local"
+    kinds = ("local",)
+    is_limit = True
+    description = "dd-style sequential 64 MiB writes + fsync, sequential reads"
+
+    def _file(self, ctx: OpContext) -> str:
+        return os.path.join(ctx.store.root, ctx.path, f"limit_{ctx.rank}.bin")
+
+    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
+        path = self._file(ctx)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        views = state.local_views("source")
+
+        def run() -> dict[str, Any]:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for view in views:
+                    for lo in range(0, len(view), _WRITE_CHUNK):
+                        chunk = view[lo:lo + _WRITE_CHUNK]
+                        while chunk:
+                            chunk = chunk[os.write(fd, chunk):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return {"write_size": _WRITE_CHUNK}
+
+        return Operation(run)
+
+    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
+        path = self._file(ctx)
+        state.destination()
+        views = state.local_views("destination")
+
+        def run() -> dict[str, Any]:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for view in views:
+                    for lo in range(0, len(view), _WRITE_CHUNK):
+                        chunk = view[lo:lo + _WRITE_CHUNK]
+                        while chunk:
+                            n = os.readv(fd, [chunk])
+                            if n == 0:
+                                raise EOFError(f"{path} is short")
+                            chunk = chunk[n:]
+            finally:
+                os.close(fd)
+            return {"read_size": _WRITE_CHUNK}
+
+        return Operation(run)
+
+
+class _BufferedLimit(System):
+    """A limit that moves the rank's bytes as parts from a cached copy (prepared
+    untimed) and downloads them into a preallocated, pre-touched buffer."""
+
+    is_limit = True
+    default_variant: ClassVar[str] = "64MiBx8"
+
+    def __init__(self, variant: str = "") -> None:
+        super().__init__(variant or self.default_variant)
+        self.part_size, self.concurrency = _parse_variant(self.variant, self.default_variant)
+
+    def parts(self, state: RankState) -> list[bytes]:
+        """The rank's bytes cut into part-size ``bytes`` (cached per part size)."""
+        key = f"parts-{self.part_size}"
+        cached = state.scratch.get(key)
+        if cached is None:
+            for k in [k for k in state.scratch if k.startswith("parts-")]:
+                del state.scratch[k]  # one part size at a time
+            data = memoryview(state.concat())
+            cached = [bytes(data[lo:lo + self.part_size])
+                      for lo in range(0, len(data), self.part_size)] or [b""]
+            state.scratch[key] = cached
+        return list(cached)
+
+    def buffer(self, state: RankState) -> bytearray:
+        """A zeroed buffer of the rank's size, its pages already resident."""
+        buf = state.scratch.get("buffer")
+        if buf is None or len(buf) != state.share_bytes:
+            buf = state.scratch["buffer"] = bytearray(state.share_bytes)
+        import numpy as np
+
+        np.frombuffer(buf, dtype=np.uint8)[:] = 0
+        return buf
+
+    def ranges(self, state: RankState) -> list[tuple[int, int]]:
+        """(offset, length) of every part."""
+        n = state.share_bytes
+        return [(lo, min(self.part_size, n - lo)) for lo in range(0, n, self.part_size)]
+
+
+class LimitS3(_BufferedLimit):
+    name = "limit-s3"
+    kinds = ("s3",)
+    requires = ("boto3",)
+    description = "boto3 client, multipart upload / ranged GETs, unsigned payload"
+
+    def _client(self, ctx: OpContext) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session().client(
+            "s3", endpoint_url=ctx.store.endpoint_url, region_name=ctx.store.region,
+            config=Config(
+                max_pool_connections=self.concurrency + 4,
+                s3={"addressing_style": "path", "payload_signing_enabled": False},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                retries={"max_attempts": 3, "mode": "standard"},
+                connect_timeout=10, read_timeout=300,
+            ))
+
+    def _key(self, ctx: OpContext) -> str:
+        return f"{ctx.path}/limit_{ctx.rank}.bin"
+
+    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
+        client = self._client(ctx)
+        parts = self.parts(state)
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
+        bucket, key = ctx.store.root, self._key(ctx)
+
+        def run() -> dict[str, Any]:
+            if len(parts) == 1:
+                client.put_object(Bucket=bucket, Key=key, Body=parts[0])
+                return {"parts": 1}
+            upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+
+            def put(i: int) -> dict[str, Any]:
+                r = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id,
+                                       PartNumber=i + 1, Body=parts[i])
+                return {"ETag": r["ETag"], "PartNumber": i + 1}
+
+            done = list(pool.map(put, range(len(parts))))
+            client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
+                                             MultipartUpload={"Parts": done})
+            return {"parts": len(parts), "part_size": self.part_size,
+                    "max_concurrency": self.concurrency}
+
+        def close() -> None:
+            pool.shutdown()
+            client.close()
+
+        return Operation(run, close=close)
+
+    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
+        client = self._client(ctx)
+        buf = self.buffer(state)
+        view = memoryview(buf)
+        ranges = self.ranges(state)
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
+        bucket, key = ctx.store.root, self._key(ctx)
+
+        def get(r: tuple[int, int]) -> None:
+            lo, n = r
+            body = client.get_object(Bucket=bucket, Key=key,
+                                     Range=f"bytes={lo}-{lo + n - 1}")["Body"]
+            try:
+                pos = lo
+                while pos < lo + n:
+                    got = _socket_readinto(body, view[pos:lo + n])
+                    if not got:
+                        raise EOFError(f"s3://{bucket}/{key} is short")
+                    pos += got
+            finally:
+                body.close()
+
+        def run() -> dict[str, Any]:
+            list(pool.map(get, ranges))
+            return {"parts": len(ranges), "part_size": self.part_size,
+                    "max_concurrency": self.concurrency}
+
+        def close() -> None:
+            pool.shutdown()
+            client.close()
+
+        return Operation(run, verify=lambda: buf == state.concat(), close=close)
+
+
+def _socket_readinto(body: Any, out: memoryview) -> int:
+    """Read a botocore response body into ``out`` straight from http.client's socket
+    file, skipping urllib3's ``readinto`` (which reads into a temporary ``bytes`` and
+    copies): the fewest passes over the bytes this client stack allows."""
+    import http.client
+
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if (raw is None or not isinstance(fp, http.client.HTTPResponse) or fp.chunked
+            or raw.headers.get("content-encoding") or not hasattr(raw, "_fp_bytes_read")):
+        return int(body.readinto(out))
+    n = fp.readinto(out)
+    raw._fp_bytes_read += n  # keep urllib3's accounting, so the connection is reused
+    if raw.length_remaining is not None:
+        raw.length_remaining -= n
+    if fp.isclosed():
+        raw.release_conn()
+    return n
+
+
+class LimitGCS(_BufferedLimit):
+    name = "limit-gcs"
+    kinds = ("gcs",)
+    requires = ("aiohttp",)
+    default_variant = "32MiBx8"
+    description = "aiohttp to the JSON API: part-size objects, concurrent"
+
+    def _names(self, ctx: OpContext, count: int) -> list[str]:
+        return [f"{ctx.path}/limit_{ctx.rank}/p{i:05d}" for i in range(count)]
+
+    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
+        import asyncio
+        import urllib.parse
+
+        import aiohttp
+
+        parts = self.parts(state)
+        names = self._names(ctx, len(parts))
+        url = f"{ctx.store.endpoint_url}/upload/storage/v1/b/{ctx.store.root}/o"
+        loop = asyncio.new_event_loop()
+
+        async def main() -> None:
+            limit = asyncio.Semaphore(self.concurrency)
+            connector = aiohttp.TCPConnector(limit=self.concurrency)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                async def put(name: str, data: bytes) -> None:
+                    async with limit:
+                        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+                        async with session.post(
+                                f"{url}?{query}", data=data,
+                                headers={"Content-Type": "application/octet-stream"}) as r:
+                            r.raise_for_status()
+                            await r.read()
+
+                await asyncio.gather(*(put(n, p) for n, p in zip(names, parts, strict=True)))
+
+        def run() -> dict[str, Any]:
+            loop.run_until_complete(main())
+            return {"parts": len(parts), "part_size": self.part_size,
+                    "max_concurrency": self.concurrency}
+
+        return Operation(run, close=loop.close)
+
+    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
+        import asyncio
+        import urllib.parse
+
+        import aiohttp
+
+        buf = self.buffer(state)
+        view = memoryview(buf)
+        ranges = self.ranges(state)
+        names = self._names(ctx, len(ranges))
+        base = f"{ctx.store.endpoint_url}/storage/v1/b/{ctx.store.root}/o"
+        loop = asyncio.new_event_loop()
+
+        async def main() -> None:
+            limit = asyncio.Semaphore(self.concurrency)
+            connector = aiohttp.TCPConnector(limit=self.concurrency)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                async def get(name: str, lo: int, n: int) -> None:
+                    async with limit, session.get(
+                            f"{base}/{urllib.parse.quote(name, safe='')}?alt=media") as r:
+                        r.raise_for_status()
+                        pos = lo
+                        async for chunk in r.content.iter_any():
+                            view[pos:pos + len(chunk)] = chunk
+                            pos += len(chunk)
+                        if pos != lo + n:
+                            raise EOFError(f"{name}: {pos - lo} bytes, expected {n}")
+
+                await asyncio.gather(*(get(name, lo, n)
+                                       for name, (lo, n) in zip(names, ranges, strict=True)))
+
+        def run() -> dict[str, Any]:
+            loop.run_until_complete(main())
+            return {"parts": len(ranges), "part_size": self.part_size,
+                    "max_concurrency": self.concurrency}
+
+        return Operation(run, verify=lambda: buf == state.concat(), close=loop.close)
+
+
+# -- registry ------------------------------------------------------------------------------
+
+_SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (
+    DcpstoreLocal, TorchFS, LimitLocal,
+    DcpstoreS3, TorchFsspecS3, S3TorchConnector, MSC, DcpstoreMSC, LimitS3,
+    DcpstoreGCS, TorchFsspecGCS, LimitGCS,
+)}
+
+#: Systems run on each kind of store, in the order they are interleaved and reported.
+DEFAULT_SYSTEMS: dict[str, list[str]] = {
+    kind: [name for name, cls in _SYSTEMS.items() if kind in cls.kinds]
+    for kind in ("local", "s3", "gcs")
+}
+
+
+def get(label: str) -> System:
+    """The system called ``label`` (``name`` or ``name[variant]``).
+
+    Raises:
+        KeyError: No such system.
+    """
+    name, variant = split_variant(label)
+    if name not in _SYSTEMS:
+        raise KeyError(f"unknown system {name!r}; known: {', '.join(_SYSTEMS)}")
+    cls = _SYSTEMS[name]
+    if variant and not issubclass(cls, _BufferedLimit):
+        raise KeyError(f"system {name!r} has no variants")
+    return cls(variant) if variant or issubclass(cls, _BufferedLimit) else cls()
+
+
+def names() -> list[str]:
+    """Every system name."""
+    return list(_SYSTEMS)
