@@ -22,6 +22,7 @@ import functools
 import io
 import logging
 import pickle
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +117,36 @@ def coalesce(
                 ranges.append(current)
             current.items.append((req, info))
     return ranges
+
+
+class _LazyLayouts(Sequence[list[memoryview]]):
+    """The per-range destination buffers of a read, built on first access."""
+
+    def __init__(
+        self,
+        build: Callable[[int], tuple[list[memoryview], list[Callable[[], None]]]],
+        count: int,
+    ) -> None:
+        self._build = build
+        self._count = count
+        self._built: dict[int, tuple[list[memoryview], list[Callable[[], None]]]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, int) or not 0 <= index < self._count:
+            raise IndexError(index)
+        with self._lock:
+            if index not in self._built:
+                self._built[index] = self._build(index)
+            return self._built[index][0]
+
+    def pop(self, index: int) -> list[Callable[[], None]]:
+        """The deliveries of a fetched range (its buffers are released after them)."""
+        with self._lock:
+            return self._built.pop(index)[1]
 
 
 class Reader(StorageReader):
@@ -261,11 +292,12 @@ class Reader(StorageReader):
                      len(requests), len(ranges), self.bytes_read, self.bytes_needed)
         fetches = [ReadRange(r.key, r.offset, r.length) for r in ranges]
         self.items_direct = 0
-        layouts = [self._layout(r, planner) for r in ranges]
-        buffers = [segments for segments, _ in layouts]
+        # Laid out when its fetch starts and dropped once delivered, so staging memory
+        # stays bounded by the ranges in flight, not the whole plan.
+        layouts = _LazyLayouts(lambda i: self._layout(ranges[i], planner), len(ranges))
         try:
-            for index, _ in self.backend.read_ranges(fetches, buffers):
-                for deliver in layouts[index][1]:
+            for index, _ in self.backend.read_ranges(fetches, layouts):
+                for deliver in layouts.pop(index):
                     deliver()
         except OSError as exc:
             damaged = self._damaged_file_error(exc, ranges)
