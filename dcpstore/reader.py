@@ -509,18 +509,7 @@ class Reader(StorageReader):
         tail = view(start + len(payload), info.offset + info.length)
         self._verify(req, info, head, payload, tail)
         fqn = req.storage_index.fqn
-        try:
-            decoded = decode_tensor([head, payload, tail])
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
-                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} is not a plain "
-                f"tensor ({exc})"
-            ) from exc
-        except RuntimeError as exc:
-            raise IntegrityError(
-                f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} at offset "
-                f"{info.offset} cannot be decoded: {exc}"
-            ) from exc
+        decoded = self._decode(info, fqn, [head, payload, tail])
         # the archive must place this exact tensor where the manifest said it would
         if (decoded.data_ptr() != target.data_ptr() or decoded.dtype != target.dtype
                 or decoded.size() != target.size() or decoded.stride() != target.stride()):
@@ -553,8 +542,21 @@ class Reader(StorageReader):
                 self._check_weights_only(fqn, info, data)
             planner.load_bytes(req, io.BytesIO(data))
             return
+        tensor = self._decode(info, fqn, [view])  # shares memory with ``view``
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise IntegrityError(
+                f"{fqn!r}: the checkpoint holds a chunk of shape {list(tensor.size())} where "
+                f"the destination expects {list(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _decode(self, info: _StorageInfo, fqn: str, pieces: list[memoryview]) -> torch.Tensor:
+        """Decode a tensor item (zero-copy), with errors that name file and item."""
         try:
-            tensor = decode_tensor(view)  # shares memory with ``view``: no extra copy
+            return decode_tensor(pieces)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
                 f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} is not a plain "
@@ -565,15 +567,6 @@ class Reader(StorageReader):
                 f"{self.backend.uri}/{info.relative_path}: tensor item {fqn!r} at offset "
                 f"{info.offset} cannot be decoded: {exc}"
             ) from exc
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise IntegrityError(
-                f"{fqn!r}: the checkpoint holds a chunk of shape {list(tensor.size())} where "
-                f"the destination expects {list(target.size())}"
-            )
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)
 
     def _check_weights_only(self, fqn: str, info: _StorageInfo, data: bytes) -> None:
         try:
