@@ -4,9 +4,13 @@ untimed request-counting runs, and collects what the ranks measured.
 Order within a store (``--runs 3``, systems A B C)::
 
     run 1: A.save A.load [A.load@M ...]  B.save B.load ...  C.save C.load ...
-    run 2: A ... B ... C ...
-    run 3: A ... B ... C ...
+    run 2: B ... C ... A ...
+    run 3: C ... A ... B ...
     counting (one run, through the proxy): A.save A.load [A.load@M]  B ...  C ...
+
+Interleaving spreads slow drifts of the machine over every system; rotating the order
+keeps any system from always going first (say, onto a store whose disk has just been
+flushed) or always following the same neighbour.
 
 Every save goes to a fresh prefix, the loads (at the save's world size, then at each
 reshard world size) read that checkpoint, and the prefix is deleted before the next
@@ -27,7 +31,7 @@ from .servers import STORE_KINDS, StoreInfo, Stores
 from .systems import get as get_system
 from .workload import WorkloadSpec, format_bytes
 
-__all__ = ["Case", "Runner", "StorePlan"]
+__all__ = ["Case", "Runner", "StorePlan", "rotated"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +172,7 @@ class Runner:
         for plan in plans:
             store = self.stores.info[plan.name]
             for rep in range(self.runs):
-                for system in plan.systems:
+                for system in rotated(plan.systems, rep):
                     self._one(plan, store, system, rep, counted=False)
             if self.count_requests and store.proxy_url is not None:
                 for system in plan.systems:
@@ -243,6 +247,15 @@ class Runner:
             f"[{self.jobs_done:3d}/{self.jobs_total}] {plan.name:<9} {system:<22} {op:<4} "
             f"@{world_size}  {what:<9} {format_bytes(plan.workload.state_bytes):>8} "
             f"{seconds:7.2f} s {mbps:8.1f} MB/s{verified}  (job {wall:.1f} s)")
+
+
+def rotated(systems: list[str], rep: int) -> list[str]:
+    """The order of run ``rep``: the list rotated by ``rep`` (A B C, B C A, C A B), so
+    that no system always runs first, or right after the same neighbour's save."""
+    if not systems:
+        return []
+    k = rep % len(systems)
+    return systems[k:] + systems[:k]
 
 
 def _counted_figures(results: list[RankResult], proxy: Any) -> dict[str, Any]:

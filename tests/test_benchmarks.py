@@ -27,6 +27,7 @@ if str(REPO) not in sys.path:  # `pytest` run as a script does not put the repo 
 
 from benchmarks import report  # noqa: E402
 from benchmarks.cli import _parse_opts, options_for, parse_args  # noqa: E402
+from benchmarks.runner import rotated  # noqa: E402
 from benchmarks.workload import WorkloadSpec, _fill, parse_size, plan_tensors  # noqa: E402
 
 MiB = 1 << 20
@@ -104,6 +105,16 @@ def test_quick_and_full_defaults() -> None:
     full = parse_args([])
     assert (full.runs, full.sizes["seaweedfs"], full.reshard) == (3, 1 << 30, [1, 3])
     assert full.sizes["moto"] < full.sizes["seaweedfs"]
+
+
+def test_runs_rotate_the_order() -> None:
+    systems = ["a", "b", "c"]
+    orders = [rotated(systems, rep) for rep in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    # every system goes first once, and each position is held by each system once
+    assert {o[0] for o in orders} == set(systems)
+    assert all({o[i] for o in orders} == set(systems) for i in range(3))
+    assert rotated([], 2) == []
 
 
 # -- report arithmetic ---------------------------------------------------------------------
