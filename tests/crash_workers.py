@@ -253,8 +253,7 @@ class Tripwire:
                   "in_commit": self.in_commit, "committed": self.committed,
                   "results_sent": self.results_sent,
                   "after_s": round(time.monotonic() - self.started, 4)}
-        with open(self.record, "w") as f:
-            json.dump(record, f)
+        _write_json(self.record, record)
         if victim != self.rank:
             with open(os.path.join(os.path.dirname(self.record), f"pid{victim}")) as f:
                 os.kill(int(f.read()), signal.SIGKILL)
@@ -390,6 +389,15 @@ class LaunchResult:
     seconds: float
 
 
+def _write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` to ``path`` atomically: the launcher may SIGKILL a survivor while it
+    writes its result, and must then find no file rather than half of one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, default=str)
+    os.replace(tmp, path)
+
+
 def _killable_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
                     args: tuple[Any, ...], env: dict[str, str], outdir: str,
                     gloo_timeout: float) -> None:
@@ -409,8 +417,7 @@ def _killable_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any
     except BaseException as exc:
         result = {"status": "error",
                   "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f, default=str)
+    _write_json(os.path.join(outdir, f"rank{rank}.json"), result)
     # no interpreter teardown: a dead peer can make gloo's destructor block or abort
     os._exit(0)
 
