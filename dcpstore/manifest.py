@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-import crc32c as _crc32c
-from typing_extensions import Buffer
-
+from .checksum import crc32c
 from .errors import IntegrityError, UnsafeKeyError
 from .uri import validate_key
 
 __all__ = [
     "FileRecord",
     "Manifest",
+    "Payload",
     "crc32c",
     "manifest_key",
 ]
@@ -31,29 +30,40 @@ VERSION = 1
 SAVE_ID_PREFIX = "dcpstore-"
 
 
-def crc32c(data: Buffer, value: int = 0) -> int:
-    """CRC32C of ``data``, continuing from ``value``."""
-    return int(_crc32c.crc32c(data, value))
-
-
 def manifest_key(save_id: str) -> str:
     """Key of the manifest of a save."""
     return f".dcpstore-{save_id.removeprefix(SAVE_ID_PREFIX)}.json"
+
+
+class Payload(NamedTuple):
+    """Where a tensor item's raw row-major bytes lie inside the item, and their block
+    CRCs.
+
+    Attributes:
+        start: Offset of the first payload byte from the start of the item.
+        nbytes: Length of the payload.
+        block_crcs: CRC32C of every ``Manifest.payload_block`` bytes of the payload (the
+            last block may be shorter); empty when not recorded.
+    """
+
+    start: int
+    nbytes: int
+    block_crcs: tuple[int, ...] = ()
 
 
 @dataclass
 class FileRecord:
     """One data file: its size, CRC32C and the ``(offset, length, crc32c)`` of each item.
 
-    ``payloads`` maps the offset of a tensor item to ``(start, nbytes)``: where, inside
-    the item, the tensor's raw row-major bytes begin and how many there are. Readers use
-    it to fetch those bytes straight into the destination tensor (no staging copy).
+    ``payloads`` maps the offset of a tensor item to its :class:`Payload`. Readers use it
+    to fetch a tensor's bytes straight into the destination tensor (no staging copy),
+    and, on reshard loads, to fetch and verify only the blocks of the payload they need.
     """
 
     size: int
     crc32c: int
     items: list[tuple[int, int, int]] = field(default_factory=list)
-    payloads: dict[int, tuple[int, int]] = field(default_factory=dict)
+    payloads: dict[int, Payload] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -62,16 +72,22 @@ class FileRecord:
             "items": [list(i) for i in self.items],
         }
         if self.payloads:
-            doc["payloads"] = [[o, s, n] for o, (s, n) in sorted(self.payloads.items())]
+            doc["payloads"] = [[o, p.start, p.nbytes, list(p.block_crcs)]
+                               for o, p in sorted(self.payloads.items())]
         return doc
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FileRecord:
+        payloads = {}
+        for entry in data.get("payloads", []):
+            offset, start, nbytes, *rest = entry
+            crcs = tuple(int(c) for c in rest[0]) if rest else ()
+            payloads[int(offset)] = Payload(int(start), int(nbytes), crcs)
         return cls(
             size=int(data["size"]),
             crc32c=int(data["crc32c"], 16),
             items=[(int(o), int(n), int(c)) for o, n, c in data.get("items", [])],
-            payloads={int(o): (int(s), int(n)) for o, s, n in data.get("payloads", [])},
+            payloads=payloads,
         )
 
 
@@ -89,6 +105,8 @@ class Manifest:
     #: Size and CRC32C of the ``.metadata`` committed with this manifest (``None`` in
     #: manifests written before it was recorded).
     metadata: FileRecord | None = None
+    #: Block size of the payloads' block CRCs (0: none recorded).
+    payload_block: int = 0
     _item_index: dict[tuple[str, int], tuple[int, int]] | None = field(
         default=None, repr=False, compare=False
     )
@@ -111,6 +129,8 @@ class Manifest:
         }
         if self.metadata is not None:
             doc["metadata"] = self.metadata.to_json()
+        if self.payload_block:
+            doc["payload_block"] = self.payload_block
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -147,6 +167,7 @@ class Manifest:
                 created=float(doc.get("created", 0.0)),
                 extra=dict(doc.get("extra", {})),
                 metadata=None if metadata is None else FileRecord.from_json(metadata),
+                payload_block=int(doc.get("payload_block", 0)),
             )
         except UnsafeKeyError:
             raise
@@ -191,7 +212,7 @@ class Manifest:
             )
         return found[1]
 
-    def item_payload(self, relative_path: str, offset: int) -> tuple[int, int] | None:
-        """``(start, nbytes)`` of the raw tensor bytes of an item, if recorded."""
+    def item_payload(self, relative_path: str, offset: int) -> Payload | None:
+        """Where the raw tensor bytes of an item lie, if recorded."""
         record = self.files.get(relative_path)
         return None if record is None else record.payloads.get(offset)

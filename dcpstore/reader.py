@@ -12,8 +12,12 @@ DCP calls, in this order (``dcp.load``)::
                                       coalesce neighbours, fetch ranges concurrently,
                                       verify CRC32C, copy into the destination tensors
 
-Only the byte ranges of the items in this rank's plan are fetched (resharding N -> M
-reads what each rank needs, not whole files).
+Only the byte ranges of the items in this rank's plan are fetched, and on a reshard
+(N -> M) a rank that needs part of a saved chunk fetches only the payload blocks around
+that part, verified against the manifest's per-block CRC32Cs (``Payload.block_crcs``),
+instead of the whole item: a reshard reads about what the rank needs, not whole items
+or files. Payloads are read straight into the destination tensors where their layout
+allows (a scatter read), so most bytes are never copied after they arrive.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import functools
 import io
 import logging
 import pickle
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,6 +48,7 @@ from torch.futures import Future
 
 from . import layout
 from .backend import Backend, ReadRange, uninitialized_buffer
+from .checksum import block_crcs, crc32c
 from .codec import ViewFile, decode_tensor
 from .errors import (
     CheckpointNotFoundError,
@@ -51,7 +57,7 @@ from .errors import (
     IntegrityError,
     UnsafeCheckpointError,
 )
-from .manifest import Manifest, crc32c
+from .manifest import Manifest, Payload
 from .safe_pickle import safe_loads
 from .uri import validate_key
 
@@ -85,37 +91,67 @@ class ReaderOptions:
 
 
 @dataclass
+class _Partial:
+    """The part of a tensor item's payload a reshard request needs.
+
+    ``first``/``stop`` delimit the requested box, from its first to its last element,
+    and ``lo``/``hi`` the whole blocks around it that are fetched and verified: byte
+    offsets into the payload.
+    """
+
+    payload: Payload
+    block: int
+    dtype: torch.dtype
+    strides: tuple[int, ...]  # row-major element strides of the saved chunk
+    first: int
+    stop: int
+    lo: int
+    hi: int
+    contiguous: bool  # the box is one run of bytes (e.g. rows of a dim-0 shard)
+
+
+@dataclass
+class _Request:
+    """One read item and the bytes of its file that serve it: the whole item, or (see
+    :class:`_Partial`) whole blocks of its payload."""
+
+    req: ReadItem
+    info: _StorageInfo
+    offset: int
+    length: int
+    partial: _Partial | None = None
+
+
+@dataclass
 class _Range:
     """A coalesced request and the items it carries."""
 
     key: str
     offset: int
     length: int
-    items: list[tuple[ReadItem, _StorageInfo]] = field(default_factory=list)
+    items: list[_Request] = field(default_factory=list)
 
 
-def coalesce(
-    requests: Sequence[tuple[ReadItem, _StorageInfo]], gap: int, max_range: int
-) -> list[_Range]:
-    """Group read items by file, sort by offset and merge neighbours into ranges."""
-    per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = {}
-    for req, info in requests:
-        per_file.setdefault(info.relative_path, []).append((req, info))
+def coalesce(requests: Sequence[_Request], gap: int, max_range: int) -> list[_Range]:
+    """Group read requests by file, sort by offset and merge neighbours into ranges."""
+    per_file: dict[str, list[_Request]] = {}
+    for request in requests:
+        per_file.setdefault(request.info.relative_path, []).append(request)
     ranges: list[_Range] = []
     for key in sorted(per_file):
         current: _Range | None = None
-        for req, info in sorted(per_file[key], key=lambda ri: (ri[1].offset, ri[1].length)):
-            end = info.offset + info.length
+        for request in sorted(per_file[key], key=lambda r: (r.offset, r.length)):
+            end = request.offset + request.length
             if (
                 current is not None
-                and info.offset - (current.offset + current.length) <= gap
+                and request.offset - (current.offset + current.length) <= gap
                 and max(end, current.offset + current.length) - current.offset <= max_range
             ):
                 current.length = max(end, current.offset + current.length) - current.offset
             else:
-                current = _Range(key, info.offset, info.length)
+                current = _Range(key, request.offset, request.length)
                 ranges.append(current)
-            current.items.append((req, info))
+            current.items.append(request)
     return ranges
 
 
@@ -188,6 +224,9 @@ class Reader(StorageReader):
         #: Tensor items of the last ``read_data`` whose bytes were read straight into the
         #: destination tensor (no staging buffer, no copy).
         self.items_direct = 0
+        #: Tensor items of the last ``read_data`` that needed only part of a saved chunk
+        #: (a reshard) and were served by fetching just the payload blocks around it.
+        self.items_partial = 0
         #: Why the last ``read_metadata`` failed (DCP wraps it in an AssertionError).
         self.metadata_error: BaseException | None = None
 
@@ -283,13 +322,18 @@ class Reader(StorageReader):
                     f"{self.backend.uri}/.metadata has no storage entry for "
                     f"{req.storage_index.fqn!r}"
                 )
-            requests.append((req, info))
+            requests.append(self._request(req, info))
         ranges = coalesce(requests, self.options.coalesce_gap, self.options.max_range)
-        self.bytes_needed = sum(info.length for _, info in requests)
+        self.bytes_needed = sum(
+            r.length if r.partial is None else r.partial.stop - r.partial.first
+            for r in requests
+        )
         self.bytes_read = sum(r.length for r in ranges)
         self.requests = len(ranges)
-        logger.debug("%s: %d items in %d ranges, %d bytes (%d needed)", self.backend.uri,
-                     len(requests), len(ranges), self.bytes_read, self.bytes_needed)
+        self.items_partial = sum(r.partial is not None for r in requests)
+        logger.debug("%s: %d items (%d partial) in %d ranges, %d bytes (%d needed)",
+                     self.backend.uri, len(requests), self.items_partial, len(ranges),
+                     self.bytes_read, self.bytes_needed)
         fetches = [ReadRange(r.key, r.offset, r.length) for r in ranges]
         self.items_direct = 0
         # Laid out when its fetch starts and dropped once delivered, so staging memory
@@ -343,8 +387,8 @@ class Reader(StorageReader):
                 return None
             if size is not None and size >= needed[key]:
                 continue
-            lost = [req.storage_index.fqn for r in ranges if r.key == key
-                    for req, info in r.items if size is None or info.offset + info.length > size]
+            lost = [item.req.storage_index.fqn for r in ranges if r.key == key
+                    for item in r.items if size is None or item.offset + item.length > size]
             state = "is missing" if size is None else f"is truncated to {size} bytes"
             more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
             return IntegrityError(
@@ -426,15 +470,60 @@ class Reader(StorageReader):
                 "restore it or load an older checkpoint."
             )
 
+    def _request(self, req: ReadItem, info: _StorageInfo) -> _Request:
+        """What to fetch for one read item: the whole item, or only the payload blocks
+        around the box it needs (a reshard load that needs part of a saved chunk)."""
+        whole = _Request(req, info, info.offset, info.length)
+        manifest = self.manifest
+        if (manifest is None or not manifest.payload_block or req.type != LoadItemType.TENSOR
+                or info.transform_descriptors or sys.byteorder != "little"):
+            return whole
+        chunk = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        payload = manifest.item_payload(info.relative_path, info.offset)
+        if chunk is None or payload is None or not payload.block_crcs:
+            return whole
+        dtype, sizes = chunk
+        offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+        if (len(offsets) != len(sizes) or len(lengths) != len(sizes)
+                or (not any(offsets) and lengths == sizes) or 0 in lengths
+                or any(o < 0 or o + n > size
+                       for o, n, size in zip(offsets, lengths, sizes, strict=True))):
+            return whole
+        itemsize = torch._utils._element_size(dtype)
+        strides = [1] * len(sizes)
+        for d in range(len(sizes) - 2, -1, -1):
+            strides[d] = strides[d + 1] * sizes[d + 1]
+        numel = strides[0] * sizes[0] if sizes else 1
+        block = manifest.payload_block
+        if (numel * itemsize != payload.nbytes
+                or len(payload.block_crcs) != -(-payload.nbytes // block)
+                or payload.start < 0 or payload.start + payload.nbytes > info.length):
+            return whole
+        # the box's first and last element, as byte offsets into the payload
+        first = sum(o * st for o, st in zip(offsets, strides, strict=True)) * itemsize
+        last = sum((o + n - 1) * st for o, n, st in zip(offsets, lengths, strides, strict=True))
+        stop = (last + 1) * itemsize
+        lo = first // block * block
+        hi = min(-(-stop // block) * block, payload.nbytes)
+        if hi - lo >= payload.nbytes:
+            return whole  # the box spans (nearly) every block: read and verify the item
+        box = itemsize
+        for n in lengths:
+            box *= n
+        partial = _Partial(payload, block, dtype, tuple(strides), first, stop, lo, hi,
+                           contiguous=stop - first == box)
+        return _Request(req, info, info.offset + payload.start + lo, hi - lo, partial)
+
     def _layout(
         self, rng: _Range, planner: LoadPlanner
     ) -> tuple[list[memoryview], list[Callable[[], None]]]:
         """Where the bytes of one coalesced range go, and what to do once they are in.
 
         A tensor item whose payload position the manifest records, and whose whole
-        chunk lands in a contiguous destination of the same dtype, has its payload read
-        straight into the destination tensor (a scatter read); everything else (item
-        headers and tails, gaps, other items) goes to staging buffers.
+        chunk (or, on a reshard, whose needed run of bytes) lands in a contiguous
+        destination of the same dtype, has those bytes read straight into the
+        destination tensor (a scatter read); everything else (item headers and tails,
+        whole blocks around a partial run, gaps, other items) goes to staging buffers.
         """
         segments: list[memoryview] = []
         deliveries: list[Callable[[], None]] = []
@@ -457,25 +546,91 @@ class Reader(StorageReader):
 
         previous_end = rng.offset
         overlapping = False
-        for _, info in rng.items:
-            overlapping |= info.offset < previous_end
-            previous_end = max(previous_end, info.offset + info.length)
-        for req, info in rng.items:
-            target = None if overlapping else self._direct_target(req, info, planner)
-            if target is None:
-                deliveries.append(functools.partial(self._deliver_staged, req, info, view,
-                                                    planner))
-                continue
-            payload_start = info.offset + target[1]
-            stage(payload_start)
-            payload = target[0].reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        for item in rng.items:
+            overlapping |= item.offset < previous_end
+            previous_end = max(previous_end, item.offset + item.length)
+        for item in rng.items:
+            req, info = item.req, item.info
+            if item.partial is not None:
+                target = None if overlapping else self._partial_target(item, planner)
+                if target is None:
+                    deliveries.append(functools.partial(self._deliver_partial, item, view,
+                                                        planner))
+                    continue
+                start = item.offset + item.partial.first - item.partial.lo
+            else:
+                direct = None if overlapping else self._direct_target(req, info, planner)
+                if direct is None:
+                    deliveries.append(functools.partial(self._deliver_staged, req, info, view,
+                                                        planner))
+                    continue
+                target, start = direct[0], info.offset + direct[1]
+            stage(start)
+            payload = target.reshape(-1).view(torch.uint8).numpy().data.cast("B")
             segments.append(payload)
-            run_start = payload_start + len(payload)
+            run_start = start + len(payload)
             self.items_direct += 1
-            deliveries.append(functools.partial(self._deliver_direct, req, info, view,
-                                                payload_start, payload, target[0], planner))
+            if item.partial is not None:
+                deliveries.append(functools.partial(self._deliver_partial, item, view, planner,
+                                                    (start, payload, target)))
+            else:
+                deliveries.append(functools.partial(self._deliver_direct, req, info, view,
+                                                    start, payload, target, planner))
         stage(rng.offset + rng.length)
         return segments, deliveries
+
+    def _partial_target(self, item: _Request, planner: LoadPlanner) -> torch.Tensor | None:
+        """The destination of a partial request, when its run of bytes can be read
+        straight into it."""
+        part = item.partial
+        assert part is not None
+        if not part.contiguous:
+            return None
+        target = planner.resolve_tensor(item.req).detach()
+        if (target.device.type != "cpu" or target.dtype != part.dtype
+                or not target.is_contiguous() or tuple(target.size()) != tuple(item.req.lengths)
+                or target.nbytes != part.stop - part.first
+                or target.is_conj() or target.is_neg()):
+            return None
+        return target
+
+    def _deliver_partial(
+        self, item: _Request, view: Callable[[int, int], memoryview], planner: LoadPlanner,
+        direct: tuple[int, memoryview, torch.Tensor] | None = None,
+    ) -> None:
+        part = item.partial
+        assert part is not None
+        req, info = item.req, item.info
+        end = item.offset + item.length
+        if direct is not None:
+            start, run, target = direct
+            pieces = [view(item.offset, start), run, view(start + len(run), end)]
+        else:
+            pieces = [view(item.offset, end)]
+        expected = part.payload.block_crcs[part.lo // part.block : -(-part.hi // part.block)]
+        actual = block_crcs(pieces, part.block)
+        if list(expected) != actual:
+            bad = next(i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a)
+            at = info.offset + part.payload.start + part.lo + bad * part.block
+            raise IntegrityError(
+                f"{self.backend.uri}/{info.relative_path}: CRC32C mismatch in tensor item "
+                f"{req.storage_index.fqn!r}, payload block at byte {at}: expected "
+                f"{expected[bad]:08x}, got {actual[bad]:08x}. The data file is corrupted; "
+                "restore it or load an older checkpoint."
+            )
+        if direct is None:
+            run = pieces[0][part.first - part.lo : part.stop - part.lo]
+            flat = torch.frombuffer(run, dtype=part.dtype)
+            source = flat.as_strided(tuple(req.lengths), part.strides)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != source.size():
+                raise IntegrityError(
+                    f"{req.storage_index.fqn!r}: the checkpoint holds a chunk of shape "
+                    f"{list(source.size())} where the destination expects "
+                    f"{list(target.size())}"
+                )
+            target.copy_(source)
+        planner.commit_tensor(req, target)
 
     def _direct_target(
         self, req: ReadItem, info: _StorageInfo, planner: LoadPlanner
@@ -489,7 +644,7 @@ class Reader(StorageReader):
         chunk = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         if payload is None or chunk is None:
             return None
-        start, nbytes = payload
+        start, nbytes = payload.start, payload.nbytes
         dtype, sizes = chunk
         if (start < 0 or start + nbytes > info.length or any(req.storage_offsets)
                 or tuple(req.lengths) != sizes):

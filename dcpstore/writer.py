@@ -42,10 +42,11 @@ from typing_extensions import Buffer
 from . import layout
 from ._version import __version__
 from .backend import Backend, Upload
+from .checksum import crc32c, crc32c_combine
 from .codec import encode_tensor
 from .errors import CheckpointExistsError, DcpstoreError
 from .guard import LocalPlanSummary, check_global_plan, summarize_local_plan
-from .manifest import FileRecord, Manifest, crc32c
+from .manifest import FileRecord, Manifest, Payload
 from .safe_pickle import safe_loads
 
 __all__ = ["Writer", "WriterOptions"]
@@ -56,6 +57,12 @@ _DCP_VERSION = "1.0.0"
 # Tensors at least this large get their payload position recorded in the manifest, so
 # readers can fetch their bytes straight into the destination.
 _MIN_PAYLOAD = 4096
+#: Payloads get a CRC32C per block of this many bytes: a reshard load that needs part of
+#: a tensor reads and verifies whole blocks around it, not the whole item.
+PAYLOAD_BLOCK = 1024 * 1024
+# Writes at least this large are checksummed once and combined into the item and file
+# CRCs; smaller ones (archive headers) are cheaper to checksum twice than to combine.
+_COMBINE_MIN = 64 * 1024
 
 
 @dataclass
@@ -98,19 +105,21 @@ class _WrittenItem:
 
 
 class _ChecksumStream(io.RawIOBase):
-    """Write-only stream into an :class:`Upload` that tracks position and CRC32C."""
+    """Write-only stream into an :class:`Upload` that tracks position and CRC32C (of the
+    file and of the current item; one pass over every large write)."""
 
     def __init__(self, upload: Upload) -> None:
         self.upload = upload
         self.position = 0
         self.file_crc = 0
         self.item_crc = 0
-        # where a write of exactly ``_payload_size`` bytes (a tensor's storage) began
+        # writes of exactly ``_payload_size`` bytes (a tensor's storage): where each began
+        # and the CRC32C of each PAYLOAD_BLOCK of it
         self._payload_size = 0
-        self.payload_at: list[int] = []
+        self.payload_at: list[tuple[int, tuple[int, ...]]] = []
 
     def expect_payload(self, nbytes: int) -> None:
-        """Note the position of writes of ``nbytes`` bytes until the next call."""
+        """Note position and block CRCs of writes of ``nbytes`` bytes until the next call."""
         self._payload_size = nbytes
         self.payload_at = []
 
@@ -119,13 +128,28 @@ class _ChecksumStream(io.RawIOBase):
 
     def write(self, data: Buffer) -> int:
         view = memoryview(data).cast("B")
-        if len(view) == self._payload_size:
-            self.payload_at.append(self.position)
+        size = len(view)
         self.upload.write(view)
-        self.file_crc = crc32c(view, self.file_crc)
-        self.item_crc = crc32c(view, self.item_crc)
-        self.position += len(view)
-        return len(view)
+        if size and size == self._payload_size:
+            blocks = []
+            crc = 0
+            for lo in range(0, size, PAYLOAD_BLOCK):
+                block = view[lo : lo + PAYLOAD_BLOCK]
+                blocks.append(crc32c(block))
+                crc = crc32c_combine(crc, blocks[-1], len(block))
+            self.payload_at.append((self.position, tuple(blocks)))
+            self._combine(crc, size)
+        elif size >= _COMBINE_MIN:
+            self._combine(crc32c(view), size)
+        else:
+            self.file_crc = crc32c(view, self.file_crc)
+            self.item_crc = crc32c(view, self.item_crc)
+        self.position += size
+        return size
+
+    def _combine(self, crc: int, size: int) -> None:
+        self.file_crc = crc32c_combine(self.file_crc, crc, size)
+        self.item_crc = crc32c_combine(self.item_crc, crc, size)
 
     def tell(self) -> int:
         return self.position
@@ -330,6 +354,7 @@ class Writer(StorageWriter):
             extra={"extensions": [type(e).__name__ for e in self.extensions]},
             # .metadata is covered too: a damaged chunk offset there loads wrong values
             metadata=FileRecord(len(metadata_bytes), crc32c(metadata_bytes)),
+            payload_block=PAYLOAD_BLOCK,
         )
         manifest_key = layout.manifest_key(self.save_id)
         try:
@@ -456,7 +481,7 @@ class Writer(StorageWriter):
         transforms = _StorageWriterTransforms(self.extensions) if self.extensions else None
         written: list[tuple[WriteItem, _WrittenItem]] = []
         records: list[tuple[int, int, int]] = []
-        payloads: dict[int, tuple[int, int]] = {}
+        payloads: dict[int, Payload] = {}
         try:
             # byte items first, like torch's writer; then tensors
             ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
@@ -480,7 +505,8 @@ class Writer(StorageWriter):
                     encode_tensor(tensor, sink)
                     if (transforms is None and tensor.is_contiguous()
                             and tensor.nbytes >= _MIN_PAYLOAD and len(stream.payload_at) == 1):
-                        payloads[offset] = (stream.payload_at[0] - offset, tensor.nbytes)
+                        at, crcs = stream.payload_at[0]
+                        payloads[offset] = Payload(at - offset, tensor.nbytes, crcs)
                     stream.expect_payload(0)
                 if transforms is not None:
                     sink.close()

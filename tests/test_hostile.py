@@ -55,7 +55,7 @@ import dcpstore
 from dcpstore import layout
 from dcpstore.backend import Backend
 from dcpstore.local import LocalBackend
-from dcpstore.manifest import FileRecord, Manifest, crc32c
+from dcpstore.manifest import FileRecord, Manifest, Payload, crc32c
 from dcpstore.ops import copy_checkpoint, gc, inspect_checkpoint, verify_checkpoint
 from dcpstore.safe_pickle import safe_loads
 from dcpstore.uri import validate_key
@@ -226,7 +226,7 @@ def _save_id(md: Metadata) -> str:
 def _forge(store: Store, metadata_bytes: bytes, *, save_id: str | None = None,
            data: dict[str, bytes] | None = None, md: Metadata | None = None,
            extra_files: dict[str, FileRecord] | None = None,
-           payloads: dict[str, dict[int, tuple[int, int]]] | None = None) -> None:
+           payloads: dict[str, dict[int, Payload]] | None = None) -> None:
     """Rewrite the checkpoint as an attacker with write access would: data files, a
     manifest whose CRC32Cs match them and ``.metadata``, all consistent."""
     backend = store.backend(store.ckpt)
@@ -421,7 +421,7 @@ def test_tensor_item_replaced_by_pickle_refused(store: Store, tmp_path: Path,
     blob = evil + w_bytes
     md.storage_data = {b_idx: _StorageInfo(name, 0, len(evil)),
                        w_idx: _StorageInfo(name, len(evil), len(w_bytes))}
-    payloads = {name: {0: (64, 4096)}} if direct else None  # "its floats are at 64"
+    payloads = {name: {0: Payload(64, 4096)}} if direct else None  # "its floats are at 64"
     _forge(store, pickle.dumps(md), save_id=_save_id(md), data={name: blob},
            md=md, payloads=payloads)
     assert verify_checkpoint(store.ckpt, **store.options).ok  # consistent, as forged

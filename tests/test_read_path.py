@@ -13,14 +13,21 @@ import io
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 import dcpstore
 from dcpstore.codec import decode_tensor, encode_tensor
+from dcpstore.manifest import Payload
 from dcpstore.testing import assert_state_equal, many_dtypes_state
+from dcpstore.writer import PAYLOAD_BLOCK
 
 # -- codec ---------------------------------------------------------------------------------
 
@@ -153,8 +160,108 @@ def test_manifest_pointing_payload_elsewhere_fails_loudly(tmp_path: Path) -> Non
     (manifest_path,) = (tmp_path / "c").glob(".dcpstore-*.json")
     doc = json.loads(manifest_path.read_text())
     for rec in doc["files"].values():
-        rec["payloads"] = [[o, s + 64, n] for o, s, n in rec["payloads"]]
+        rec["payloads"] = [[o, s + 64, n, crcs] for o, s, n, crcs in rec["payloads"]]
     manifest_path.write_text(json.dumps(doc))
     out = {"w": torch.zeros(4096)}
     with pytest.raises(dcpstore.IntegrityError, match="does not lie where the manifest"):
         dcpstore.load(out, tmp_path / "c")
+
+
+# -- reshard requests: only the payload blocks a rank needs -------------------------------
+
+
+class _SlicePlanner:
+    """The two calls ``Reader.read_data`` makes of a load planner, with one destination
+    tensor that holds a slice of the saved tensor (a reshard's local shard)."""
+
+    def __init__(self, dest: torch.Tensor) -> None:
+        self.dest = dest
+        self.committed = 0
+
+    def resolve_tensor(self, req: Any) -> torch.Tensor:
+        return narrow_tensor_by_index(self.dest, req.dest_offsets, req.lengths)
+
+    def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
+        self.committed += 1
+
+
+def _read_slice(uri: Path, fqn: str, offsets: tuple[int, ...], dest: torch.Tensor
+                ) -> dcpstore.Reader:
+    reader = dcpstore.get_reader(uri)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.size())
+    items = create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], [chunk])
+    planner = _SlicePlanner(dest)
+    reader.read_data(LoadPlan(items), planner).wait()  # type: ignore[arg-type]
+    assert planner.committed == len(items)
+    return reader
+
+
+def _payload_of(uri: Path, fqn: str) -> tuple[Path, int, Payload]:
+    """File, absolute payload offset and payload record of a saved tensor."""
+    reader = dcpstore.get_reader(uri)
+    metadata = reader.read_metadata()
+    (info,) = [i for k, i in metadata.storage_data.items() if k.fqn == fqn]
+    assert reader.manifest is not None
+    payload = reader.manifest.item_payload(info.relative_path, info.offset)
+    assert payload is not None
+    return uri / info.relative_path, info.offset + payload.start, payload
+
+
+ROWS = (8000, 256)  # 8 MB of float32: eight 1 MiB payload blocks
+
+
+def test_reshard_rows_read_only_their_blocks_straight_into_destination(
+    tmp_path: Path,
+) -> None:
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(3))
+    dcpstore.save({"w": w}, tmp_path / "c")
+    dest = torch.zeros(1000, 256)
+    ptr = dest.data_ptr()
+    reader = _read_slice(tmp_path / "c", "w", (3000, 0), dest)
+    assert torch.equal(dest, w[3000:4000]) and dest.data_ptr() == ptr
+    assert (reader.items_partial, reader.items_direct) == (1, 1)
+    assert reader.bytes_needed == dest.nbytes
+    # the whole blocks around the rows: at most one block more on each side
+    assert dest.nbytes <= reader.bytes_read <= dest.nbytes + 2 * PAYLOAD_BLOCK
+    assert reader.bytes_read < w.nbytes // 2
+
+
+def test_reshard_column_block_is_staged_and_narrowed(tmp_path: Path) -> None:
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(4))
+    dcpstore.save({"w": w}, tmp_path / "c")
+    dest = torch.zeros(1000, 100)
+    reader = _read_slice(tmp_path / "c", "w", (2000, 50), dest)
+    assert torch.equal(dest, w[2000:3000, 50:150])
+    assert (reader.items_partial, reader.items_direct) == (1, 0)
+    assert reader.bytes_read <= 1000 * 256 * 4 + 2 * PAYLOAD_BLOCK
+
+
+def test_reshard_spanning_every_block_reads_the_whole_item(tmp_path: Path) -> None:
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(5))
+    dcpstore.save({"w": w}, tmp_path / "c")
+    dest = torch.zeros(8000, 128)  # every row: every block is needed anyway
+    reader = _read_slice(tmp_path / "c", "w", (0, 64), dest)
+    assert torch.equal(dest, w[:, 64:192])
+    assert reader.items_partial == 0  # whole item, whole-item CRC
+
+
+def test_reshard_read_verifies_its_blocks(tmp_path: Path) -> None:
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(6))
+    dcpstore.save({"w": w}, tmp_path / "c")
+    path, start, payload = _payload_of(tmp_path / "c", "w")
+    assert len(payload.block_crcs) == -(-w.nbytes // PAYLOAD_BLOCK)
+    raw = bytearray(path.read_bytes())
+    inside = start + 3500 * 256 * 4 + 17  # a byte of row 3500
+    raw[inside] ^= 0x10
+    path.write_bytes(raw)
+    with pytest.raises(dcpstore.IntegrityError, match="payload block"):
+        _read_slice(tmp_path / "c", "w", (3000, 0), torch.zeros(1000, 256))
+    # rows far from the damage are served, verified block by block
+    dest = torch.zeros(1000, 256)
+    _read_slice(tmp_path / "c", "w", (6000, 0), dest)
+    assert torch.equal(dest, w[6000:7000])
+    # a whole-tensor load checks the whole item and refuses
+    with pytest.raises(dcpstore.IntegrityError, match="CRC32C mismatch"):
+        dcpstore.load({"w": torch.zeros(ROWS)}, tmp_path / "c")
