@@ -539,6 +539,8 @@ class Reader(StorageReader):
             run_start = stop
 
         def view(start: int, stop: int) -> memoryview:
+            if start == stop:
+                return memoryview(b"")
             for base, buf in staged:
                 if base <= start and stop <= base + len(buf):
                     return buf[start - base : stop - base]

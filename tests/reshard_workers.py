@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from mp import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -142,3 +143,34 @@ def run_matrix(
             )
 
 
+
+
+# -- reshard reads: only the payload blocks each rank needs -------------------------------
+
+BIG = (4096, 512)  # 8 MiB of float32
+
+
+def _big(world: int, placement: Any, fill: bool) -> DTensor:
+    mesh = init_device_mesh("cpu", (world,))
+    full = (torch.arange(BIG[0] * BIG[1], dtype=torch.float32).reshape(BIG) if fill
+            else torch.zeros(BIG))
+    return distribute_tensor(full, mesh, [placement])
+
+
+def save_big(rank: int, world: int, uri: str) -> None:
+    dcpstore.save({"rows": _big(world, Shard(0), True)}, uri)
+
+
+def load_big(rank: int, world: int, uri: str) -> dict[str, Any]:
+    state = {"rows": _big(world, Shard(0), False)}
+    reader = dcpstore.get_reader(uri)
+    dcp.load(state, storage_reader=reader)
+    expected = torch.arange(BIG[0] * BIG[1], dtype=torch.float32).reshape(BIG)
+    return {
+        "exact": all(torch.equal(v.full_tensor(), expected) for v in state.values()),
+        "bytes_read": reader.bytes_read,
+        "bytes_needed": reader.bytes_needed,
+        "local_bytes": sum(v.to_local().nbytes for v in state.values()),
+        "items_partial": reader.items_partial,
+        "items_direct": reader.items_direct,
+    }

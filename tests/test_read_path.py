@@ -228,6 +228,20 @@ def test_reshard_rows_read_only_their_blocks_straight_into_destination(
     assert reader.bytes_read < w.nbytes // 2
 
 
+def test_reshard_rows_on_block_boundaries(tmp_path: Path) -> None:
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(7))
+    dcpstore.save({"w": w}, tmp_path / "c")
+    rows = PAYLOAD_BLOCK // (256 * 4)  # one block of rows: nothing staged around them
+    dest = torch.zeros(rows, 256)
+    reader = _read_slice(tmp_path / "c", "w", (rows, 0), dest)
+    assert torch.equal(dest, w[rows : 2 * rows])
+    assert (reader.items_direct, reader.bytes_read) == (1, PAYLOAD_BLOCK)
+    tail = torch.zeros(8000 - 7 * rows, 256)  # the last, shorter block
+    reader = _read_slice(tmp_path / "c", "w", (7 * rows, 0), tail)
+    assert torch.equal(tail, w[7 * rows :])
+    assert reader.bytes_read == tail.nbytes
+
+
 def test_reshard_column_block_is_staged_and_narrowed(tmp_path: Path) -> None:
     w = torch.randn(ROWS, generator=torch.Generator().manual_seed(4))
     dcpstore.save({"w": w}, tmp_path / "c")
