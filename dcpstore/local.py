@@ -5,16 +5,24 @@ references them until ``.metadata`` is committed). Small objects put with
 ``atomic=True`` (``.metadata``) go to a temporary name, are ``fsync``-ed and renamed
 over the target, and the directory is ``fsync``-ed, so a crash leaves either the old
 ``.metadata`` or the new one. ``fsync`` of files and directory is on by default.
+
+While a data file is written, the kernel is asked to start writing back every
+``writeback`` bytes (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not
+wait), so the disk works while the rank serializes the next tensors and the ``fsync``
+at commit only waits for the tail, instead of the whole file being flushed at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import logging
 import os
+import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from typing_extensions import Buffer
@@ -35,12 +43,39 @@ class LocalOptions(BackendOptions):
     Attributes:
         fsync: ``fsync`` data files when committed and the directory at commit. Turning
             it off trades crash safety for speed.
+        writeback: With ``fsync``, start the write-back of every this many bytes of a
+            data file as it is written (Linux), so the ``fsync`` at commit has little
+            left to wait for; 0 leaves all of it to the ``fsync``.
     """
 
     fsync: bool = True
+    writeback: int = 16 * 1024 * 1024
     max_concurrency: int = 4
     part_size: int = 8 * 1024 * 1024
     max_attempts: int = 1
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for values that make no sense."""
+        super().validate()
+        if self.writeback < 0:
+            raise ValueError(f"writeback must be >= 0 bytes, got {self.writeback}")
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux only; ``None`` elsewhere or if missing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class _FileUpload(Upload):
@@ -53,16 +88,29 @@ class _FileUpload(Upload):
             self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
         )
         self._size = 0
+        options = backend.options
+        self._writeback = options.writeback if options.fsync else 0
+        self._kick = _sync_file_range() if self._writeback else None
+        self._flushed = 0  # bytes whose write-back was started
 
     def write(self, data: Buffer) -> int:
-        if self._fd is None:
+        fd = self._fd
+        if fd is None:
             raise ValueError(f"upload of {self.key!r} is already closed")
         view = memoryview(data).cast("B")
         total = len(view)
         while view:
-            n = os.write(self._fd, view)
+            # with write-back: write up to the next multiple of ``writeback``, then kick
+            step = (self._writeback - (self._size - self._flushed) if self._kick is not None
+                    else len(view))
+            n = os.write(fd, view[:step])
             view = view[n:]
-        self._size += total
+            self._size += n
+            if self._kick is not None and self._size - self._flushed >= self._writeback:
+                # an optimization only: an I/O error surfaces at the fsync of commit()
+                self._kick(fd, self._flushed, self._size - self._flushed,
+                           _SYNC_FILE_RANGE_WRITE)
+                self._flushed = self._size
         return total
 
     def commit(self) -> ObjectInfo:
