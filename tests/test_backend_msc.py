@@ -3,14 +3,18 @@
 Runs the conformance suite through both profiles, the feature flag (plain ``s3://``,
 ``gs://`` and local paths routed through MSC exactly as MSC resolves them), interop
 with MSC's own ``MultiStorageFileSystemWriter``/``Reader``, clear errors for bad
-configuration and unreachable/forbidden/missing storage, and a multi-process reshard.
+configuration and unreachable/forbidden/missing storage, a multi-process reshard, and
+ranged reads fetched in ``read_chunk`` pieces straight into scatter buffers (request
+counts and bytes on the wire through a counting proxy, on moto and SeaweedFS).
 """
 
 from __future__ import annotations
 
 import http.server
+import math
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +26,9 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 import dcpstore
+from dcpstore.backend import ReadRange
 from dcpstore.testing import BackendConformance, assert_state_equal, many_dtypes_state
+from dcpstore.testing.faultproxy import FaultProxy
 
 msc = pytest.importorskip("multistorageclient")
 
@@ -293,3 +299,155 @@ def test_reshard_matrix_msc(msc_env: MSCEnv) -> None:
     from reshard_workers import run_matrix
 
     run_matrix(f"msc://{S3_PROFILE}/{fresh('matrix')}", {})
+
+
+# -- chunked ranged reads (bounded memory per range in flight) -------------------------------
+
+CHUNK = 64 * 1024
+#: Scatter pieces of one range: an item head, an empty piece, payloads that straddle chunk
+#: boundaries, one byte, and a tail (12 * CHUNK + 2_500 bytes in all).
+PIECES = (3, 0, 5 * CHUNK + 17, 1, 2 * CHUNK - 21, 5 * CHUNK, 2_500)
+
+
+def _payload(n: int, seed: int) -> bytes:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_store(request: pytest.FixtureRequest, msc_env: MSCEnv) -> tuple[S3Server, str]:
+    """An S3 server and a bucket on it: moto (this module's) or SeaweedFS (the session's)."""
+    if request.param == "moto":
+        return msc_env.s3, BUCKET
+    return request.getfixturevalue("seaweedfs_s3"), "dcpstore-test"
+
+
+def _counting_backend(s3: S3Server, bucket: str, proxy: FaultProxy, **options: Any
+                      ) -> MSCBackend:
+    config = {"profiles": {"counted": s3_profile(s3, bucket=bucket,
+                                                 endpoint=proxy.endpoint_url)}}
+    be = dcpstore.open_backend(f"msc://counted/{fresh('chunks')}", config=config, **options)
+    assert isinstance(be, MSCBackend)
+    return be
+
+
+@pytest.mark.parametrize("read_chunk", [CHUNK, 3 * CHUNK + 1, 64 * 1024 * 1024])
+def test_range_is_read_in_chunks_straight_into_scatter_pieces(
+        s3_store: tuple[S3Server, str], read_chunk: int) -> None:
+    """A range longer than read_chunk, spread over several pieces, comes back byte-exact
+    from ceil(L / read_chunk) GETs on the wire, and not one byte more is downloaded."""
+    s3, bucket = s3_store
+    data = _payload(16 * CHUNK, seed=11)
+    with FaultProxy(s3.endpoint_url) as proxy:
+        be = _counting_backend(s3, bucket, proxy, read_chunk=read_chunk, max_concurrency=4)
+        be.put("obj", data)
+        offset, length = 3 * CHUNK - 7, sum(PIECES)
+        bufs = [memoryview(bytearray(n)) for n in PIECES]
+        proxy.reset_stats()
+        done = list(be.read_ranges([ReadRange("obj", offset, length)], [bufs]))
+        assert [i for i, _ in done] == [0]
+        assert b"".join(bytes(b) for b in bufs) == data[offset:offset + length]
+        stats = proxy.snapshot()
+        assert dict(stats.requests) == {"GET": math.ceil(length / read_chunk)}
+        assert stats.bytes_down == length
+
+        # single-buffer ranges and several ranges in flight: each one chunked on its own
+        ranges = [ReadRange("obj", 0, 16 * CHUNK), ReadRange("obj", 5, 2 * CHUNK),
+                  ReadRange("obj", 7 * CHUNK, 1)]
+        outs = [memoryview(bytearray(r.length)) for r in ranges]
+        proxy.reset_stats()
+        assert sorted(i for i, _ in be.read_ranges(ranges, outs)) == [0, 1, 2]
+        for r, out in zip(ranges, outs, strict=True):
+            assert bytes(out) == data[r.offset:r.offset + r.length]
+        stats = proxy.snapshot()
+        assert stats.requests["GET"] == sum(math.ceil(r.length / read_chunk) for r in ranges)
+        assert stats.bytes_down == sum(r.length for r in ranges)
+        be.close()
+
+
+def test_chunked_read_allocates_about_one_chunk_not_the_range(seaweedfs_s3: S3Server
+                                                              ) -> None:
+    """The transient memory of one range is bounded by read_chunk, not by its length
+    (tracemalloc counts what this process allocates: SeaweedFS runs in its own, unlike
+    moto, which reads the whole object for every ranged GET)."""
+    config = {"profiles": {"weed": s3_profile(seaweedfs_s3, bucket="dcpstore-test")}}
+    be = dcpstore.open_backend(f"msc://weed/{fresh('chunk-mem')}", config=config,
+                               read_chunk=CHUNK)
+    length = 64 * CHUNK  # 4 MiB, 64 requests
+    data = _payload(length, seed=12)
+    be.put("obj", data)
+    bufs = [memoryview(bytearray(n)) for n in (10, length - 20, 10)]
+    list(be.read_ranges([ReadRange("obj", 0, CHUNK)]))  # warm the client up
+    tracemalloc.start()
+    try:
+        list(be.read_ranges([ReadRange("obj", 0, length)], [bufs]))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert b"".join(bytes(b) for b in bufs) == data
+    # a whole-range response alone would be `length`; staging it again, twice that
+    assert peak < length // 4, f"peak {peak} bytes for a {length}-byte range"
+
+
+@pytest.mark.parametrize(("stored", "ends"), [
+    (5 * CHUNK + 123, "ends at byte"),  # a chunk comes back short
+    (5 * CHUNK + CHUNK // 2, "ends before byte"),  # a chunk starts at the end: HTTP 416
+])
+def test_truncated_object_is_eoferror(s3_store: tuple[S3Server, str], stored: int,
+                                      ends: str) -> None:
+    """The object is shorter than the range: an EOFError naming the object, where it
+    ends, the offset and the expected size; through read_ranges an OSError carrying the
+    same message. Nothing is requested after the chunk that found the end."""
+    s3, bucket = s3_store
+    data = _payload(8 * CHUNK, seed=13)
+    with FaultProxy(s3.endpoint_url) as proxy:
+        be = _counting_backend(s3, bucket, proxy, read_chunk=CHUNK)
+        be.put("obj", data)
+        # truncate it behind dcpstore's back
+        s3.client().put_object(Bucket=bucket, Key=f"{be.root}/obj", Body=data[:stored])
+        offset, length = CHUNK // 2, 7 * CHUNK  # chunks start at offset + k * CHUNK
+        bufs = [memoryview(bytearray(n)) for n in (100, length - 200, 100)]
+        message = (rf"counted/.*/obj {ends} {stored}, expected {length} bytes from offset "
+                   rf"{offset} \(object truncated\?\)")
+        proxy.reset_stats()
+        with pytest.raises(EOFError, match=message):
+            be._read_into_scatter("obj", offset, bufs)
+        # the full chunks before the end, then the one that found it
+        assert proxy.snapshot().requests["GET"] == (stored - offset) // CHUNK + 1
+        with pytest.raises(OSError, match=message) as info:
+            list(be.read_ranges([ReadRange("obj", offset, length)], [bufs]))
+        assert isinstance(info.value.__cause__, EOFError)
+        be.close()
+
+
+def test_posix_profile_reads_with_preadv(msc_env: MSCEnv, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """POSIX profiles read straight into the pieces (no MSC read, so no chunking), and a
+    short file is an EOFError there too."""
+    be = dcpstore.open_backend(f"msc://{LOCAL_PROFILE}/{fresh('posix-read')}",
+                               config=msc_env.config, fsync=False, read_chunk=CHUNK)
+    assert isinstance(be, MSCBackend)
+    data = _payload(16 * CHUNK, seed=14)
+    be.put("obj", data)
+    calls: list[Any] = []
+    client = be._client()
+    real_read = client.read
+    monkeypatch.setattr(client, "read", lambda *a, **k: calls.append(a) or real_read(*a, **k))
+    offset = 3 * CHUNK - 7
+    bufs = [memoryview(bytearray(n)) for n in PIECES]
+    list(be.read_ranges([ReadRange("obj", offset, sum(PIECES))], [bufs]))
+    assert b"".join(bytes(b) for b in bufs) == data[offset:offset + sum(PIECES)]
+    assert calls == []
+    with pytest.raises(EOFError, match=rf"/obj ends at byte {16 * CHUNK}, expected"):
+        be._read_into_scatter("obj", 15 * CHUNK, [memoryview(bytearray(2 * CHUNK))])
+
+
+def test_read_chunk_option(msc_env: MSCEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = f"msc://{S3_PROFILE}/{fresh('opt')}"
+    assert dcpstore.open_backend(uri).options.read_chunk == 16 * 1024 * 1024
+    assert dcpstore.open_backend(uri + "?read_chunk=1MiB").options.read_chunk == 1 << 20
+    monkeypatch.setenv("DCPSTORE_MSC_READ_CHUNK", "256k")
+    assert dcpstore.open_backend(uri).options.read_chunk == 256 * 1024
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="read_chunk must be > 0"):
+            dcpstore.open_backend(uri, read_chunk=bad)

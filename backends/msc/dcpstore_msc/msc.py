@@ -10,7 +10,11 @@ pattern.
 
 Primitives map onto MSC's ``StorageClient``: ``read(path, byte_range=Range(...))`` for
 ranged reads (run concurrently by the base class), ``write`` for small objects,
-``info``, ``list`` and ``delete_many``. Retries and timeouts are MSC's own (the
+``info``, ``list`` and ``delete_many``. MSC returns every ranged read as one ``bytes``
+object, so a range is fetched as consecutive requests of at most ``read_chunk`` bytes,
+each copied straight into the destination buffers it spans: the transient memory per
+range in flight is one chunk, not the range. POSIX profiles (no metadata provider) read
+with ``preadv`` straight into the destinations. Retries and timeouts are MSC's own (the
 profile's ``retry`` section and the provider's options, e.g. ``connect_timeout``,
 ``read_timeout``, ``retries`` for S3): dcpstore does not retry on top of them.
 
@@ -73,6 +77,12 @@ class MSCOptions(BackendOptions):
         fsync: On POSIX profiles, ``fsync`` data files before they are renamed into place.
         max_attempts: dcpstore's own attempts per request. MSC retries by itself (the
             profile's ``retry`` section), so the default is one.
+        read_chunk: Largest single ``read`` request. MSC returns each ranged read as a
+            whole ``bytes`` object, so a range the reader asks for (up to 64 MiB) is
+            fetched as consecutive requests of at most this many bytes, each copied
+            straight into its destination buffers: the transient memory per range in
+            flight is one chunk, not the range. POSIX profiles read with ``preadv``
+            straight into the destinations and ignore it.
     """
 
     # a config dict may hold credentials (credentials_provider options): never shown
@@ -81,6 +91,13 @@ class MSCOptions(BackendOptions):
     fsync: bool = True
     max_attempts: int = 1
     part_size: int = 64 * 1024 * 1024
+    read_chunk: int = 16 * 1024 * 1024
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for values that make no sense."""
+        super().validate()
+        if self.read_chunk < 1:
+            raise ValueError(f"read_chunk must be > 0, got {self.read_chunk}")
 
 
 class MSCConfigError(DcpstoreError, ValueError):
@@ -459,14 +476,54 @@ class MSCBackend(Backend):
         return _SpooledUpload(self, key)
 
     def _read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self._read_into_scatter(key, offset, [out])
+
+    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order from ``offset``: ``preadv`` on POSIX profiles, otherwise
+        consecutive ``read`` requests of at most ``read_chunk`` bytes, each copied into the
+        pieces of ``outs`` it spans (no staging buffer for the whole range)."""
+        views = [_byte_view(o) for o in outs if len(o)]
+        total = sum(len(v) for v in views)
+        if not total:
+            return
+        path = self._posix_path(key)
+        if path is not None:
+            _preadv_all(path, offset, views, total, f"{self.location}/{key}")
+            return
         from multistorageclient.types import Range
 
-        data = self._client().read(self._full(key), byte_range=Range(offset=offset,
-                                                                      size=len(out)))
-        if len(data) < len(out):
-            raise EOFError(f"{self.location}/{key} ends at byte {offset + len(data)}, expected "
-                           f"{len(out)} bytes from offset {offset} (object truncated?)")
-        out[:] = memoryview(data)[:len(out)]
+        client, full = self._client(), self._full(key)
+        chunk = self.options.read_chunk
+        piece, filled = 0, 0  # the destination being filled, and how much of it is
+        pos, end = offset, offset + total
+        while pos < end:
+            size = min(chunk, end - pos)
+            try:
+                data = client.read(full, byte_range=Range(offset=pos, size=size))
+            except Exception as exc:
+                if _status(_chain(exc)) == 416:  # the object ends before ``pos``
+                    raise EOFError(
+                        f"{self.location}/{key} ends before byte {pos}, expected {total} "
+                        f"bytes from offset {offset} (object truncated?)"
+                    ) from exc
+                raise
+            src = memoryview(data).cast("B")
+            if len(src) < size:
+                raise EOFError(
+                    f"{self.location}/{key} ends at byte {pos + len(src)}, expected {total} "
+                    f"bytes from offset {offset} (object truncated?)"
+                )
+            src = src[:size]
+            while src:
+                dest = views[piece]
+                take = min(len(src), len(dest) - filled)
+                dest[filled : filled + take] = src[:take]
+                src = src[take:]
+                filled += take
+                if filled == len(dest):
+                    piece, filled = piece + 1, 0
+            del src, data  # the chunk is free before the next request
+            pos += size
 
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
         # object-store PUTs and MSC's POSIX writes (temp file + rename) are atomic
@@ -548,6 +605,36 @@ class MSCBackend(Backend):
         if isinstance(exc, (RetryableError, RuntimeError)):
             return OSError(f"MSC request for {where}{profile} failed: {text}")
         return None
+
+
+def _byte_view(out: memoryview) -> memoryview:
+    """``out`` as a flat view of unsigned bytes (what ``bytes`` slices assign into)."""
+    return out if out.format == "B" and out.ndim == 1 else out.cast("B")
+
+
+#: Most buffers one ``preadv`` call takes (the usual ``IOV_MAX``).
+_IOV_MAX = 1024
+
+
+def _preadv_all(path: str, offset: int, views: list[memoryview], total: int,
+                where: str) -> None:
+    """Fill ``views`` from ``path`` at ``offset`` with ``preadv`` (short reads continued)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        pending = list(views)
+        pos = offset
+        while pending:
+            n = os.preadv(fd, pending[:_IOV_MAX], pos)
+            if n == 0:
+                raise EOFError(f"{where} ends at byte {pos}, expected {total} bytes from "
+                               f"offset {offset} (object truncated?)")
+            pos += n
+            while pending and n >= len(pending[0]):  # drop the buffers now full
+                n -= len(pending.pop(0))
+            if n:
+                pending[0] = pending[0][n:]
+    finally:
+        os.close(fd)
 
 
 def _root(path: str) -> str:
