@@ -193,6 +193,8 @@ class Backend(abc.ABC):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._upload_slots = threading.BoundedSemaphore(self.options.max_concurrency)
+        #: Upload part buffers, reused across parts (``dcpstore.multipart.PartBuffers``).
+        self._part_buffers: dict[Any, Any] = {}
 
     # -- description -----------------------------------------------------------------
 
@@ -213,6 +215,7 @@ class Backend(abc.ABC):
         state["_pool"] = None
         state.pop("_pool_lock", None)
         state.pop("_upload_slots", None)
+        state.pop("_part_buffers", None)
         for name in self._lazy_attributes():
             state[name] = None
         return state
@@ -221,16 +224,20 @@ class Backend(abc.ABC):
         self.__dict__.update(state)
         self._pool_lock = threading.Lock()
         self._upload_slots = threading.BoundedSemaphore(self.options.max_concurrency)
+        self._part_buffers = {}
 
     def _lazy_attributes(self) -> Sequence[str]:
         """Attributes holding clients or sessions, dropped when pickling."""
         return ()
 
     def close(self) -> None:
-        """Release threads and clients; the backend stays usable (they are recreated)."""
+        """Release threads, clients and idle upload buffers; the backend stays usable
+        (they are recreated)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        with self._pool_lock:
+            self._part_buffers = {}  # buffers still in use go back to the dropped pools
 
     # -- primitives (override) -----------------------------------------------------
 

@@ -1,10 +1,17 @@
 """A generic concurrent multipart upload, shared by the object-store backends.
 
-Writes are cut into ``part_size`` parts. Each full part is handed to the backend's
-worker pool while the caller keeps serializing the next one; a backend-wide semaphore
-caps the parts in flight (the memory bound: ``part_size x max_concurrency`` plus the
-part being filled). An object that ends smaller than one part is stored with a single
-request instead, so small files cost one PUT.
+Writes are cut into ``part_size`` parts. Each is copied into a preallocated part buffer
+taken from the backend's :class:`PartBuffers` pool; a full buffer is handed to the
+backend's worker pool as one part while the caller keeps serializing into the next one,
+and the worker puts the buffer back once the part's request is over. A backend-wide
+semaphore caps the parts in flight, so the memory of a save is bounded by
+``part_size x (max_concurrency + uploads being filled)`` (each open upload fills one
+buffer), and the same buffers are reused part after part: no fresh memory (page faults,
+kernel zeroing) per part, no allocator churn. The pool keeps at most
+``max_concurrency + 2`` idle buffers until :meth:`~dcpstore.Backend.close`.
+
+An object that ends smaller than one part is stored with a single request instead, so
+small files cost one PUT.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import mmap
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +32,86 @@ from .backend import ObjectInfo, Upload
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["MultipartUpload"]
+__all__ = ["MultipartUpload", "PartBuffers", "anonymous_buffer"]
 
 logger = logging.getLogger(__name__)
+
+
+def anonymous_buffer(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of anonymous memory: not zero-filled up front (the kernel maps zeroed
+    pages on first touch) and returned to the OS as soon as it is dropped, whatever the
+    allocator's thresholds."""
+    return mmap.mmap(-1, nbytes)
+
+
+class PartBuffers:
+    """A free list of upload part buffers of one size, shared by a backend's uploads.
+
+    :meth:`acquire` hands out an idle buffer or allocates one; :meth:`release` takes it
+    back, keeping at most ``keep`` idle (the rest are dropped). Get a backend's pool with
+    :meth:`of`; :meth:`~dcpstore.Backend.close` drops its pools.
+
+    Attributes:
+        size: Bytes of every buffer.
+        keep: Most idle buffers kept.
+        allocated: Buffers allocated so far.
+        outstanding: Buffers acquired and not yet released.
+        peak: Most buffers outstanding at once.
+    """
+
+    def __init__(self, size: int, keep: int,
+                 allocate: Callable[[int], Buffer] = anonymous_buffer) -> None:
+        self.size = size
+        self.keep = keep
+        self.allocated = 0
+        self.outstanding = 0
+        self.peak = 0
+        self._allocate = allocate
+        self._free: list[Buffer] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, backend: Backend, size: int,
+           allocate: Callable[[int], Buffer] = anonymous_buffer) -> PartBuffers:
+        """The pool of ``backend`` for buffers of ``size`` made by ``allocate`` (created
+        on first use; it keeps ``max_concurrency + 2`` idle buffers at most)."""
+        with backend._pool_lock:
+            pools = backend._part_buffers
+            pool = pools.get((size, allocate))
+            if pool is None:
+                pool = pools[(size, allocate)] = cls(
+                    size, backend.options.max_concurrency + 2, allocate)
+            return pool
+
+    @property
+    def free(self) -> int:
+        """Idle buffers held."""
+        return len(self._free)
+
+    def acquire(self) -> Buffer:
+        """An idle buffer of :attr:`size` bytes (contents undefined), or a new one."""
+        with self._lock:
+            if self._free:
+                self._take()
+                return self._free.pop()
+        buf = self._allocate(self.size)
+        with self._lock:
+            self.allocated += 1
+            self._take()
+        return buf
+
+    def _take(self) -> None:
+        self.outstanding += 1
+        self.peak = max(self.peak, self.outstanding)
+
+    def release(self, buf: Buffer) -> None:
+        """Give back a buffer from :meth:`acquire`; nothing may use it any more."""
+        with self._lock:
+            if any(b is buf for b in self._free):
+                raise RuntimeError("part buffer released twice")
+            self.outstanding -= 1
+            if len(self._free) < self.keep:
+                self._free.append(buf)
 
 
 class MultipartUpload(Upload):
@@ -39,7 +125,11 @@ class MultipartUpload(Upload):
     - :meth:`_complete` assembles the parts,
     - :meth:`_abort_multipart` discards them,
 
-    and :meth:`_put_whole` stores a small object in one request.
+    and :meth:`_put_whole` stores a small object in one request. ``_upload_part`` and
+    ``_put_whole`` get a view of just the filled bytes of a pooled part buffer: it must
+    not be used after they return (the buffer is reused). A full part's view spans its
+    whole buffer (made by :meth:`_allocate_buffer`), which lets a client that only takes
+    whole objects send it without a copy.
     """
 
     def __init__(self, backend: Backend, key: str, part_size: int | None = None) -> None:
@@ -47,7 +137,11 @@ class MultipartUpload(Upload):
         self.key = key
         self.part_size = part_size or backend.options.part_size
         self.upload_id: str | None = None
-        self._buffer = bytearray()
+        # the part being filled: a pooled buffer, a view of it, the bytes in it
+        self._buffer: Buffer | None = None
+        self._buffer_pool: PartBuffers | None = None
+        self._view: memoryview | None = None
+        self._fill = 0
         self._parts: dict[int, Any] = {}
         self._futures: list[Future[None]] = []
         self._next_part = 1
@@ -55,6 +149,14 @@ class MultipartUpload(Upload):
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+
+    @staticmethod
+    def _allocate_buffer(nbytes: int) -> Buffer:
+        """Allocate one part buffer (pooled per backend and size, so allocated rarely).
+
+        Anonymous memory by default; override where the client wants another type.
+        """
+        return anonymous_buffer(nbytes)
 
     # -- requests (override) -----------------------------------------------------------
 
@@ -83,11 +185,14 @@ class MultipartUpload(Upload):
         n = len(view)
         pos = 0
         while pos < n:
-            room = self.part_size - len(self._buffer)
-            take = min(room, n - pos)
-            self._buffer += view[pos : pos + take]
+            out = self._view
+            if out is None:
+                out = self._take_buffer()
+            take = min(len(out) - self._fill, n - pos)
+            out[self._fill : self._fill + take] = view[pos : pos + take]
+            self._fill += take
             pos += take
-            if len(self._buffer) >= self.part_size:
+            if self._fill == len(out):
                 self._submit_part()
         self._size += n
         return n
@@ -97,10 +202,10 @@ class MultipartUpload(Upload):
             raise ValueError(f"upload of {self.key!r} is already closed")
         try:
             if self.upload_id is None:
-                data = memoryview(self._buffer)
+                data = self._view[: self._fill] if self._view is not None else memoryview(b"")
                 self.backend._call(self._put_whole, data, key=self.key)
             else:
-                if self._buffer:
+                if self._fill:
                     self._submit_part()
                 self._drain()
                 parts = sorted(self._parts.items())
@@ -109,19 +214,21 @@ class MultipartUpload(Upload):
             self.abort()
             raise
         self._closed = True
-        self._buffer = bytearray()
+        self._drop_buffer()
+        self._futures = []  # their callbacks hold the part buffers
         return ObjectInfo(self.key, self._size)
 
     def abort(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._buffer = bytearray()
+        self._drop_buffer()
         for fut in self._futures:
-            fut.cancel()
+            fut.cancel()  # one that never ran gives its buffer back (_on_part_done)
         for fut in self._futures:
             with contextlib.suppress(BaseException):
                 fut.result()
+        self._futures = []
         if self.upload_id is not None:
             try:
                 self.backend._call(self._abort_multipart, self.upload_id, key=self.key)
@@ -130,29 +237,59 @@ class MultipartUpload(Upload):
 
     # -- machinery ---------------------------------------------------------------------
 
+    def _take_buffer(self) -> memoryview:
+        """Start filling a pooled buffer of the current ``part_size``."""
+        pool = PartBuffers.of(self.backend, self.part_size, type(self)._allocate_buffer)
+        buf = pool.acquire()
+        self._buffer, self._buffer_pool = buf, pool
+        self._view = memoryview(buf).cast("B")
+        self._fill = 0
+        return self._view
+
+    def _hand_over(self) -> tuple[Buffer, PartBuffers, int]:
+        """Take the buffer being filled (and its pool and fill level) off this upload."""
+        buf, pool, n = self._buffer, self._buffer_pool, self._fill
+        assert buf is not None and pool is not None
+        self._buffer = self._buffer_pool = self._view = None
+        self._fill = 0
+        return buf, pool, n
+
+    def _drop_buffer(self) -> None:
+        """Give the buffer being filled, if any, back to its pool."""
+        if self._buffer is not None:
+            buf, pool, _ = self._hand_over()
+            pool.release(buf)
+
     def _submit_part(self) -> None:
         if self.upload_id is None:
             self.upload_id = self.backend._call(self._create, key=self.key)
         number = self._next_part
         self._next_part += 1
-        data, self._buffer = self._buffer, bytearray()
+        buf, pool, n = self._hand_over()
         slots = self.backend._upload_slots
-        slots.acquire()  # blocks while max_concurrency parts are in flight
         try:
-            fut = self.backend._executor().submit(self._run_part, number, data)
+            slots.acquire()  # blocks while max_concurrency parts are in flight
         except BaseException:
+            pool.release(buf)
+            raise
+        try:
+            fut = self.backend._executor().submit(self._run_part, number, buf, pool, n)
+        except BaseException:
+            pool.release(buf)
             slots.release()
             raise
+        fut.add_done_callback(lambda f: self._on_part_done(f, buf, pool))
         self._futures.append(fut)
 
-    def _run_part(self, number: int, data: bytearray) -> None:
+    def _run_part(self, number: int, buf: Buffer, pool: PartBuffers, n: int) -> None:
         try:
             if self._error is not None:
                 return
             assert self.upload_id is not None
-            tag = self.backend._call(
-                self._upload_part, self.upload_id, number, memoryview(data), key=self.key
-            )
+            view = memoryview(buf).cast("B")
+            data = view if n == len(view) else view[:n]
+            tag = self.backend._call(self._upload_part, self.upload_id, number, data,
+                                     key=self.key)
             with self._lock:
                 self._parts[number] = tag
         except BaseException as exc:
@@ -161,7 +298,20 @@ class MultipartUpload(Upload):
                     self._error = exc
             raise
         finally:
-            self.backend._upload_slots.release()
+            # the request is over (it ran in this thread): the buffer is free again,
+            # before the slot, so the next part finds it idle
+            try:
+                pool.release(buf)
+            finally:
+                self.backend._upload_slots.release()
+
+    def _on_part_done(self, fut: Future[None], buf: Buffer, pool: PartBuffers) -> None:
+        """A part cancelled before it ran never reached :meth:`_run_part`'s cleanup."""
+        if fut.cancelled():
+            try:
+                pool.release(buf)
+            finally:
+                self.backend._upload_slots.release()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -100,8 +100,8 @@ def test_compose_tree_of_many_parts(backend: GCSBackend) -> None:
 def test_parts_grow_after_512(backend: GCSBackend) -> None:
     up = _CompositeUpload(backend, "x")
     up._next_part = 513
-    up._buffer = bytearray(b"z")
     up.upload_id = "feedfacefeedface"
+    up.write(b"z")
     up._submit_part()
     assert up.part_size == 2 * PART
     up._drain()

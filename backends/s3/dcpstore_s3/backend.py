@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import http.client
+import io
 import logging
 import re
 import threading
@@ -183,7 +184,9 @@ class S3Options(BackendOptions):
             than one part are a single ``PutObject``. Largest object: part_size x 10,000.
         max_concurrency: Requests in flight at once per process: upload parts and
             ranged reads. Memory bound of a save: about ``part_size x
-            (max_concurrency + files_per_rank)``.
+            (max_concurrency + files_per_rank)`` (parts in flight plus the part each
+            open upload is filling); up to ``max_concurrency + 2`` part buffers are kept
+            for reuse until the backend is closed (``dcpstore.save`` closes it).
     """
 
     endpoint_url: str | None = None
@@ -310,13 +313,67 @@ def _readinto(body: Any, out: memoryview) -> int:
     return n
 
 
-def _body(data: memoryview) -> bytes | bytearray:
-    """A request body for botocore (which wants bytes-like objects it knows, not views),
-    without copying when the view spans its whole buffer."""
-    obj = data.obj
-    if isinstance(obj, (bytes, bytearray)) and data.contiguous and len(data) == len(obj):
-        return obj
-    return data.tobytes()
+class _PartStream(io.RawIOBase):
+    """A seekable, read-only stream over a view: the request body of an upload part.
+
+    botocore takes ``bytes``/``bytearray``/file-like bodies, not views, and the
+    bytes-like ones are not free: its CRT signer (used whenever ``awscrt`` is installed)
+    wraps any body that is not ``bytes`` in a ``BytesIO``, i.e. copies the whole part.
+    A stream is signed (or hashed, for signed payloads) and sent as it is: urllib3 reads
+    it in small blocks, a retry rewinds it, and botocore adds ``Expect: 100-continue``
+    as it does for every file-like body (s3transfer's uploads included).
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == io.SEEK_END:
+            pos = len(self._view) + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos}")
+        self._pos = pos
+        return pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        start = min(self._pos, len(self._view))
+        end = len(self._view) if size is None or size < 0 else min(len(self._view),
+                                                                    start + size)
+        self._pos = max(self._pos, end)
+        return self._view[start:end].tobytes()
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        start = min(self._pos, len(self._view))
+        n = min(len(out), len(self._view) - start)
+        out[:n] = self._view[start:start + n]
+        self._pos = start + n
+        return n
+
+
+def _body(data: memoryview) -> _PartStream:
+    """The body of an upload part: a stream over the part's bytes (no copy of it)."""
+    return _PartStream(data)
 
 
 class S3MultipartUpload(MultipartUpload):
@@ -387,9 +444,11 @@ class S3MultipartUpload(MultipartUpload):
                      self.physical_key)
 
     def _put_whole(self, data: memoryview) -> None:
+        # smaller than one part: one copy, as bytes (which every signer takes as they
+        # are) rather than a stream and its Expect: 100-continue round trip
         self.backend._request(
             "put_object", Bucket=self.backend.bucket, Key=self.physical_key,
-            Body=_body(data), ContentLength=len(data), _bytes_out=len(data),
+            Body=data.tobytes(), ContentLength=len(data), _bytes_out=len(data),
         )
 
 
