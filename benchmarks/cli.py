@@ -55,9 +55,9 @@ _DEFAULTS = {
     # 1: one rank reads every file; 3: every rank reads parts of the saved items (where
     # reading more than needed shows). About 1.5 and 2 min of a full run.
     "reshard": ([1, 3], [1]),
-    # 64 MiB x 8: the baseline's configuration; 16 MiB x 16: more in flight (and the
-    # S3 backend's defaults), which SeaweedFS on 2 cores often takes faster
-    "limit_s3": (["64MiBx8", "16MiBx16"], ["64MiBx8"]),
+    # 64 MiB x 8: the baseline's configuration; 32 MiB x 8: the S3 backend's defaults;
+    # 16 MiB x 16: more in flight
+    "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16"], ["64MiBx8"]),
     "limit_gcs": (["32MiBx8", "16MiBx16"], ["32MiBx8"]),
 }
 #: Stores the reshard loads run on by default.
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"(default: {' '.join(_RESHARD_STORES)})")
     p.add_argument("--limit-s3", nargs="+", metavar="PARTxN",
                    help="raw S3 limit variants, part size x requests in flight "
-                        "(default 64MiBx8 16MiBx16; the fastest is the limit)")
+                        "(default 64MiBx8 32MiBx8 16MiBx16; the fastest is the limit)")
     p.add_argument("--limit-gcs", nargs="+", metavar="PARTxN",
                    help="raw GCS limit variants (default 32MiBx8 16MiBx16)")
     p.add_argument("--opt", action="append", default=[], metavar="[SCOPE.]KEY=VALUE",

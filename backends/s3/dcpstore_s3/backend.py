@@ -199,8 +199,8 @@ class S3Options(BackendOptions):
     connect_timeout: float = 10.0
     timeout: float = 60.0
     max_attempts: int = 6
-    part_size: int = 16 * MiB
-    max_concurrency: int = 16
+    part_size: int = 32 * MiB
+    max_concurrency: int = 8
 
     def validate(self) -> None:
         """Raise ``ValueError`` for values S3 would refuse or that make no sense."""
@@ -314,14 +314,15 @@ def _readinto(body: Any, out: memoryview) -> int:
 
 
 class _PartStream(io.RawIOBase):
-    """A seekable, read-only stream over a view: the request body of an upload part.
+    """A seekable, read-only stream over a view: what the signer reads a part through.
 
-    botocore takes ``bytes``/``bytearray``/file-like bodies, not views, and the
-    bytes-like ones are not free: its CRT signer (used whenever ``awscrt`` is installed)
-    wraps any body that is not ``bytes`` in a ``BytesIO``, i.e. copies the whole part.
-    A stream is signed (or hashed, for signed payloads) and sent as it is: urllib3 reads
-    it in small blocks, a retry rewinds it, and botocore adds ``Expect: 100-continue``
-    as it does for every file-like body (s3transfer's uploads included).
+    Upload bodies are passed to botocore as the part's ``memoryview`` itself (see
+    :func:`_install_body_handlers`): urllib3 then hands the whole view to one
+    ``sendall``, with no copy and no ``Expect: 100-continue`` round trip, which botocore
+    adds for file-like bodies. Signing is the exception: botocore's CRT signer (used
+    whenever ``awscrt`` is installed) wraps any body that is not ``bytes`` or a stream in
+    a ``BytesIO``, a copy of the whole part. So just for signing the body is this stream
+    (hashed through ``readinto`` in small blocks), and it is swapped back afterwards.
     """
 
     def __init__(self, view: memoryview) -> None:
@@ -371,9 +372,29 @@ class _PartStream(io.RawIOBase):
         return n
 
 
-def _body(data: memoryview) -> _PartStream:
-    """The body of an upload part: a stream over the part's bytes (no copy of it)."""
-    return _PartStream(data)
+_SIGNED_BODY = "dcpstore_body"
+
+
+def _body_to_stream(request: Any, **kwargs: Any) -> None:
+    """``before-sign``: let the signer read a view body through a stream (no copy)."""
+    body = request.data  # AWSRequest.body is derived from it
+    if isinstance(body, memoryview):
+        request.context[_SIGNED_BODY] = body
+        request.data = _PartStream(body)
+
+
+def _stream_to_body(request: Any, **kwargs: Any) -> None:
+    """``request-created``, after signing: send the view itself again."""
+    body = request.context.pop(_SIGNED_BODY, None)
+    if body is not None:
+        request.data = body
+
+
+def _install_body_handlers(client: Any) -> None:
+    """Send upload bodies as views: one ``sendall`` each, signed through a stream."""
+    events = client.meta.events
+    events.register("before-sign.s3", _body_to_stream)
+    events.register_last("request-created.s3", _stream_to_body)
 
 
 class S3MultipartUpload(MultipartUpload):
@@ -404,7 +425,7 @@ class S3MultipartUpload(MultipartUpload):
             )
         response = self.backend._request(
             "upload_part", Bucket=self.backend.bucket, Key=self.physical_key,
-            UploadId=upload_id, PartNumber=number, Body=_body(data),
+            UploadId=upload_id, PartNumber=number, Body=data.cast("B"),
             ContentLength=len(data), _bytes_out=len(data),
         )
         return response["ETag"]
@@ -444,11 +465,9 @@ class S3MultipartUpload(MultipartUpload):
                      self.physical_key)
 
     def _put_whole(self, data: memoryview) -> None:
-        # smaller than one part: one copy, as bytes (which every signer takes as they
-        # are) rather than a stream and its Expect: 100-continue round trip
         self.backend._request(
             "put_object", Bucket=self.backend.bucket, Key=self.physical_key,
-            Body=data.tobytes(), ContentLength=len(data), _bytes_out=len(data),
+            Body=data.cast("B"), ContentLength=len(data), _bytes_out=len(data),
         )
 
 
@@ -573,10 +592,14 @@ class S3Backend(Backend):
             # integrity is dcpstore's CRC32C manifest, end to end; per-request checksum
             # trailers cost a pass over the data and trip up some S3-compatible stores
             request_checksum_calculation="when_required",
+            # bodies are memoryviews (sent without a copy), which botocore's parameter
+            # validation does not know; every parameter is built by this module
+            parameter_validation=False,
             response_checksum_validation="when_required",
             user_agent_extra="dcpstore-s3",
         )
         client = session.create_client("s3", endpoint_url=o.endpoint_url, config=config)
+        _install_body_handlers(client)
         resolved = urlsplit(str(client.meta.endpoint_url))
         if resolved.username is not None or resolved.password is not None:
             client.close()  # e.g. AWS_ENDPOINT_URL_S3=http://user:pass@host; never echo it
