@@ -286,6 +286,8 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
     else:
         records = dict(manifest.files)
 
+    block = manifest.payload_block if manifest is not None else 0
+
     def check(path: str, rec: FileRecord) -> tuple[int, int, list[str]]:
         errors: list[str] = []
         try:
@@ -303,10 +305,17 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
             if offset != pos:
                 errors.append(f"{path}: bytes {pos}-{offset} are not covered by any item")
             crc = 0
+            payload = rec.payloads.get(offset)
+            blocks = (_PayloadBlocks(offset + payload.start, payload.nbytes, block)
+                      if payload is not None and payload.block_crcs and block else None)
             try:
+                at = offset
                 for chunk in _ordered_chunks(backend, path, offset, length):
                     crc = crc32c(chunk, crc)
                     file_crc = crc32c(chunk, file_crc)
+                    if blocks is not None:
+                        blocks.feed(at, chunk)
+                    at += len(chunk)
                     progress(len(chunk))
             except OSError as exc:
                 errors.append(f"{path}: item {names.get((path, offset), '?')!r} unreadable: "
@@ -317,6 +326,16 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
                     f"{path}: CRC32C mismatch in item {names.get((path, offset), '?')!r} "
                     f"(bytes {offset}-{offset + length}): expected {item_crc:08x}, got {crc:08x}"
                 )
+            elif blocks is not None and payload is not None:
+                # the block CRCs reshard loads verify against must match the bytes too
+                bad = [i for i, (want, got) in enumerate(
+                    zip(payload.block_crcs, blocks.result(), strict=False)) if want != got]
+                if bad or len(blocks.result()) != len(payload.block_crcs):
+                    errors.append(
+                        f"{path}: item {names.get((path, offset), '?')!r}: the manifest's "
+                        f"payload block CRC32Cs do not match the data (blocks {bad[:5]}); the "
+                        "manifest was modified after the save"
+                    )
             pos = offset + length
         if rec.crc32c >= 0 and file_crc != rec.crc32c and not errors:
             errors.append(f"{path}: file CRC32C {file_crc:08x}, manifest says {rec.crc32c:08x}")
@@ -329,6 +348,31 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
             report.bytes += n_bytes
             report.errors += errors
     return report
+
+
+class _PayloadBlocks:
+    """CRC32C per ``block`` bytes of the payload at ``[start, start + nbytes)`` of a file,
+    fed with the file's consecutive chunks."""
+
+    def __init__(self, start: int, nbytes: int, block: int) -> None:
+        self.start, self.stop, self.block = start, start + nbytes, block
+        self._crcs: list[int] = []
+        self._value = self._filled = 0
+
+    def feed(self, at: int, chunk: memoryview | bytes) -> None:
+        lo, hi = max(at, self.start), min(at + len(chunk), self.stop)
+        view = memoryview(chunk)
+        while lo < hi:
+            take = min(self.block - self._filled, hi - lo)
+            self._value = crc32c(view[lo - at : lo - at + take], self._value)
+            self._filled += take
+            lo += take
+            if self._filled == self.block:
+                self._crcs.append(self._value)
+                self._value = self._filled = 0
+
+    def result(self) -> list[int]:
+        return self._crcs + ([self._value] if self._filled else [])
 
 
 def copy_checkpoint(src: str, dst: str, *, progress: Progress = _noop, concurrency: int = 4,

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 import dcpstore
 from dcpstore.codec import decode_tensor, encode_tensor
 from dcpstore.manifest import Payload
+from dcpstore.ops import verify_checkpoint
 from dcpstore.testing import assert_state_equal, many_dtypes_state
 from dcpstore.writer import PAYLOAD_BLOCK
 
@@ -279,3 +280,24 @@ def test_reshard_read_verifies_its_blocks(tmp_path: Path) -> None:
     # a whole-tensor load checks the whole item and refuses
     with pytest.raises(dcpstore.IntegrityError, match="CRC32C mismatch"):
         dcpstore.load({"w": torch.zeros(ROWS)}, tmp_path / "c")
+
+
+def test_verify_checks_payload_block_crcs(tmp_path: Path) -> None:
+    w = torch.randn(ROWS, generator=torch.Generator().manual_seed(8))
+    dcpstore.save({"w": w}, tmp_path / "c")
+    assert verify_checkpoint(str(tmp_path / "c")).ok
+    (manifest_path,) = (tmp_path / "c").glob(".dcpstore-*.json")
+    doc = json.loads(manifest_path.read_text())
+    for rec in doc["files"].values():
+        for entry in rec["payloads"]:
+            entry[3][5] ^= 1  # one block CRC of each payload, the data untouched
+    manifest_path.write_text(json.dumps(doc))
+    report = verify_checkpoint(str(tmp_path / "c"))
+    assert not report.ok
+    assert any("payload block CRC32Cs do not match" in e and "[5]" in e for e in report.errors)
+    # a reshard read of that block refuses it; whole-tensor loads (item CRC) still work
+    with pytest.raises(dcpstore.IntegrityError, match="payload block"):
+        _read_slice(tmp_path / "c", "w", (5 * 1024, 0), torch.zeros(1024, 256))
+    out = {"w": torch.zeros(ROWS)}
+    dcpstore.load(out, tmp_path / "c")
+    assert torch.equal(out["w"], w)
