@@ -15,6 +15,7 @@ import math
 import os
 import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .api import _distributed, _single_process_quiet, get_reader, open_backend
 from .errors import CheckpointMismatchError, DcpstoreError
+from .reader import Reader
 from .uri import parse_uri
 
 __all__ = ["export", "load_model_weights", "read_metadata"]
@@ -46,9 +48,20 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+@contextmanager
+def _reader(uri: str, **options: Any) -> Iterator[Reader]:
+    """A reader whose backend (thread pool, clients) is closed when the block ends."""
+    reader = get_reader(uri, **options)
+    try:
+        yield reader
+    finally:
+        reader.backend.close()
+
+
 def read_metadata(uri: str, **options: Any) -> Metadata:
     """The DCP ``Metadata`` of a checkpoint (restricted unpickle, manifest checked)."""
-    return get_reader(uri, **options).read_metadata()
+    with _reader(uri, **options) as reader:
+        return reader.read_metadata()
 
 
 def _is_torch_file(uri: str) -> bool:
@@ -90,21 +103,21 @@ def load_model_weights(model: nn.Module, uri: str, *, strict: bool = True,
             model, full, options=StateDictOptions(full_state_dict=True, strict=strict)
         )
         return
-    reader = get_reader(uri, **options)
-    metadata = reader.read_metadata()
-    target = get_model_state_dict(model)
-    saved = metadata.state_dict_metadata
-    keys = list(target)
-    if strict:
-        prefix = _model_prefix(keys, saved)
-    else:
-        prefix = max(_MODEL_PREFIXES, key=lambda p: sum(p + k in saved for k in keys))
-        keys = [k for k in keys if prefix + k in saved]
-    flat = {prefix + k: target[k] for k in keys}
-    with _single_process_quiet():
-        dcp.load(flat, storage_reader=get_reader(uri, **options),
-                 planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=not _distributed())
+    with _reader(uri, **options) as reader:
+        metadata = reader.read_metadata()
+        target = get_model_state_dict(model)
+        saved = metadata.state_dict_metadata
+        keys = list(target)
+        if strict:
+            prefix = _model_prefix(keys, saved)
+        else:
+            prefix = max(_MODEL_PREFIXES, key=lambda p: sum(p + k in saved for k in keys))
+            keys = [k for k in keys if prefix + k in saved]
+        flat = {prefix + k: target[k] for k in keys}
+        with _single_process_quiet():
+            dcp.load(flat, storage_reader=reader,
+                     planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=not _distributed())
     set_model_state_dict(model, {k: flat[prefix + k] for k in keys},
                          options=StateDictOptions(strict=strict))
 
@@ -129,11 +142,11 @@ def _batches(items: list[tuple[str, TensorStorageMetadata]],
         yield batch
 
 
-def _load_full(uri: str, batch: list[tuple[str, TensorStorageMetadata]],
-               options: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _load_full(reader: Reader, batch: list[tuple[str, TensorStorageMetadata]]
+               ) -> dict[str, torch.Tensor]:
     out = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in batch}
     with _single_process_quiet():
-        dcp.load(out, storage_reader=get_reader(uri, **options),
+        dcp.load(out, storage_reader=reader,
                  planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     return out
 
@@ -155,23 +168,29 @@ def export(uri: str, dest: str, format: Literal["torch", "safetensors"] = "torch
     """
     if format not in ("torch", "safetensors"):
         raise ValueError(f"format must be 'torch' or 'safetensors', got {format!r}")
-    metadata = read_metadata(uri, **options)
-    tensors = _tensor_keys(metadata)
     dest_parsed = parse_uri(dest)
     dest_dir, _, name = dest_parsed.original.rstrip("/").rpartition("/")
     if dest_parsed.scheme == "file":
         dest_dir, name = os.path.split(dest_parsed.location)
-    out_backend = open_backend(dest_dir or ".")
+    with _reader(uri, **options) as reader:
+        return _export(reader, str(uri), dest_dir or ".", name, format, batch_bytes)
+
+
+def _export(reader: Reader, uri: str, dest_dir: str, name: str, format: str,
+            batch_bytes: int) -> int:
+    metadata = reader.read_metadata()
+    tensors = _tensor_keys(metadata)
+    out_backend = open_backend(dest_dir)
     upload = out_backend.open_upload(name)
     written = 0
     try:
         if format == "torch":
-            state: dict[str, Any] = _load_full(uri, tensors, options)
+            state: dict[str, Any] = _load_full(reader, tensors)
             others = [k for k in metadata.state_dict_metadata if k not in state]
             if others:
                 objs: dict[str, Any] = dict.fromkeys(others)
                 with _single_process_quiet():
-                    dcp.load(objs, storage_reader=get_reader(uri, **options),
+                    dcp.load(objs, storage_reader=reader,
                              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
                 state.update(objs)
 
@@ -208,7 +227,7 @@ def export(uri: str, dest: str, format: Literal["torch", "safetensors"] = "torch
             upload.write(raw)
             written = 8 + len(raw)
             for batch in _batches(tensors, batch_bytes):
-                loaded = _load_full(uri, batch, options)
+                loaded = _load_full(reader, batch)
                 for key, _md in batch:
                     t = loaded.pop(key).contiguous()
                     if t.numel():

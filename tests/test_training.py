@@ -14,6 +14,7 @@ import dcpstore
 from dcpstore import registry
 from dcpstore.local import LocalBackend
 from dcpstore.testing import assert_state_equal
+from dcpstore.weights import read_metadata
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -178,3 +179,32 @@ def test_export_torch_and_safetensors(tmp_path: Path) -> None:
     assert torch.equal(st["a"], state["a"]) and torch.equal(st["b.c"], state["b"]["c"])
     with pytest.raises(ValueError, match="format"):
         dcpstore.export(str(tmp_path / "c"), str(tmp_path / "x"), "onnx")  # type: ignore[arg-type]
+
+
+def test_weights_helpers_close_their_readers(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend the weight helpers open is closed (thread pools, clients), and each
+    call reads through one reader."""
+    model, optim, _sched = _model()
+    ckpt = tmp_path / "run" / "step-000000001"
+    dcpstore.Checkpointer(str(tmp_path / "run")).save(1, {"app": dcpstore.AppState(model, optim)})
+    opened: list[LocalBackend] = []
+    closed: list[LocalBackend] = []
+    real_init, real_close = LocalBackend.__init__, LocalBackend.close
+
+    def init(self: LocalBackend, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        opened.append(self)
+
+    def close(self: LocalBackend) -> None:
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(LocalBackend, "__init__", init)
+    monkeypatch.setattr(LocalBackend, "close", close)
+    read_metadata(str(ckpt))
+    dcpstore.load_model_weights(_model(seed=3)[0], str(ckpt))
+    dcpstore.export(str(ckpt), str(tmp_path / "out.safetensors"), "safetensors", batch_bytes=64)
+    # read_metadata: 1 reader; load_model_weights: 1; export: 1 reader + the output
+    assert len(opened) == 4
+    assert all(any(b is c for c in closed) for b in opened)
