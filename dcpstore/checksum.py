@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import crc32c as _crc32c
 from typing_extensions import Buffer
 
-__all__ = ["block_crcs", "crc32c", "crc32c_combine"]
+__all__ = ["BlockCRCs", "block_crcs", "crc32c", "crc32c_combine"]
 
 _POLY = 0x82F63B78  # Castagnoli, bit-reflected
 _ONE = 1 << 31  # the polynomial "1" in reflected order
@@ -74,21 +74,36 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _multiply(_shift(len_b), crc_a) ^ crc_b
 
 
+class BlockCRCs:
+    """CRC32C of every ``block`` bytes of a byte stream fed in pieces of any size (the
+    last block may be shorter)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self._crcs: list[int] = []
+        self._value = self._filled = 0
+
+    def feed(self, piece: Buffer) -> None:
+        view = memoryview(piece).cast("B")
+        pos, size = 0, len(view)
+        while pos < size:
+            take = min(self.block - self._filled, size - pos)
+            self._value = crc32c(view[pos : pos + take], self._value)
+            self._filled += take
+            pos += take
+            if self._filled == self.block:
+                self._crcs.append(self._value)
+                self._value = self._filled = 0
+
+    def result(self) -> list[int]:
+        """The CRCs of the blocks fed so far, the unfinished one included."""
+        return self._crcs + ([self._value] if self._filled else [])
+
+
 def block_crcs(pieces: Sequence[memoryview], block: int) -> list[int]:
     """CRC32C of every ``block`` bytes of the concatenation of ``pieces`` (the last block
     may be shorter), without joining them."""
-    crcs: list[int] = []
-    value = filled = 0
+    crcs = BlockCRCs(block)
     for piece in pieces:
-        pos, size = 0, len(piece)
-        while pos < size:
-            take = min(block - filled, size - pos)
-            value = crc32c(piece[pos : pos + take], value)
-            filled += take
-            pos += take
-            if filled == block:
-                crcs.append(value)
-                value = filled = 0
-    if filled:
-        crcs.append(value)
-    return crcs
+        crcs.feed(piece)
+    return crcs.result()

@@ -29,7 +29,7 @@ from typing_extensions import Buffer
 
 from .backend import Backend, BackendOptions, ObjectInfo, Upload
 
-__all__ = ["LocalBackend", "LocalOptions"]
+__all__ = ["LocalBackend", "LocalOptions", "read_file_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,28 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+def read_file_into(path: str, offset: int, outs: Sequence[memoryview]) -> None:
+    """Fill ``outs`` in order with the bytes of the file at ``path`` from ``offset``
+    (``preadv``, short reads continued); a file that ends early is an ``EOFError``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        pending = [o for o in outs if len(o)]
+        pos = offset
+        while pending:
+            n = os.preadv(fd, pending[:_IOV_MAX], pos)
+            if n == 0:
+                raise EOFError(f"{path} ends at byte {pos}, expected "
+                               f"{sum(len(o) for o in outs)} bytes from offset {offset} "
+                               "(file truncated?)")
+            pos += n
+            while pending and n >= len(pending[0]):  # drop the buffers now full
+                n -= len(pending.pop(0))
+            if n:
+                pending[0] = pending[0][n:]
+    finally:
+        os.close(fd)
+
+
 class LocalBackend(Backend):
     """Files under a local directory. URI forms: ``/abs/path``, ``rel/path``, ``file:///p``."""
 
@@ -177,25 +199,7 @@ class LocalBackend(Backend):
         self._read_into_scatter(key, offset, [out])
 
     def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
-        fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            pending = [o for o in outs if len(o)]
-            pos = offset
-            while pending:
-                n = os.preadv(fd, pending[:_IOV_MAX], pos)
-                if n == 0:
-                    raise EOFError(
-                        f"{self._path(key)} ends at byte {pos}, expected "
-                        f"{sum(len(o) for o in outs)} bytes from offset {offset} "
-                        "(file truncated?)"
-                    )
-                pos += n
-                while pending and n >= len(pending[0]):  # drop the buffers now full
-                    n -= len(pending.pop(0))
-                if n:
-                    pending[0] = pending[0][n:]
-        finally:
-            os.close(fd)
+        read_file_into(self._path(key), offset, outs)
 
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
         path = self._path(key)

@@ -22,13 +22,14 @@ from . import layout
 from .api import open_backend
 from .backend import Backend, ObjectInfo, ReadRange
 from .checkpointer import delete_checkpoint
+from .checksum import BlockCRCs, crc32c
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     IntegrityError,
     UnsafeCheckpointError,
 )
-from .manifest import SAVE_ID_PREFIX, FileRecord, Manifest, crc32c
+from .manifest import SAVE_ID_PREFIX, FileRecord, Manifest
 from .safe_pickle import safe_loads
 from .uri import validate_key
 
@@ -306,15 +307,18 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
                 errors.append(f"{path}: bytes {pos}-{offset} are not covered by any item")
             crc = 0
             payload = rec.payloads.get(offset)
-            blocks = (_PayloadBlocks(offset + payload.start, payload.nbytes, block)
+            blocks = (BlockCRCs(block)
                       if payload is not None and payload.block_crcs and block else None)
             try:
                 at = offset
                 for chunk in _ordered_chunks(backend, path, offset, length):
                     crc = crc32c(chunk, crc)
                     file_crc = crc32c(chunk, file_crc)
-                    if blocks is not None:
-                        blocks.feed(at, chunk)
+                    if blocks is not None and payload is not None:  # its payload's bytes
+                        lo = max(at, offset + payload.start)
+                        hi = min(at + len(chunk), offset + payload.start + payload.nbytes)
+                        if lo < hi:
+                            blocks.feed(memoryview(chunk)[lo - at : hi - at])
                     at += len(chunk)
                     progress(len(chunk))
             except OSError as exc:
@@ -348,31 +352,6 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
             report.bytes += n_bytes
             report.errors += errors
     return report
-
-
-class _PayloadBlocks:
-    """CRC32C per ``block`` bytes of the payload at ``[start, start + nbytes)`` of a file,
-    fed with the file's consecutive chunks."""
-
-    def __init__(self, start: int, nbytes: int, block: int) -> None:
-        self.start, self.stop, self.block = start, start + nbytes, block
-        self._crcs: list[int] = []
-        self._value = self._filled = 0
-
-    def feed(self, at: int, chunk: memoryview | bytes) -> None:
-        lo, hi = max(at, self.start), min(at + len(chunk), self.stop)
-        view = memoryview(chunk)
-        while lo < hi:
-            take = min(self.block - self._filled, hi - lo)
-            self._value = crc32c(view[lo - at : lo - at + take], self._value)
-            self._filled += take
-            lo += take
-            if self._filled == self.block:
-                self._crcs.append(self._value)
-                self._value = self._filled = 0
-
-    def result(self) -> list[int]:
-        return self._crcs + ([self._value] if self._filled else [])
 
 
 def copy_checkpoint(src: str, dst: str, *, progress: Progress = _noop, concurrency: int = 4,

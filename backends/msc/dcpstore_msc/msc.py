@@ -47,6 +47,7 @@ from typing_extensions import Buffer
 
 from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
 from dcpstore.errors import DcpstoreError, StoreTimeoutError
+from dcpstore.local import read_file_into
 from dcpstore.redact import install_log_redaction, redact
 from dcpstore.uri import ParsedURI
 
@@ -488,7 +489,7 @@ class MSCBackend(Backend):
             return
         path = self._posix_path(key)
         if path is not None:
-            _preadv_all(path, offset, views, total, f"{self.location}/{key}")
+            read_file_into(path, offset, views)
             return
         from multistorageclient.types import Range
 
@@ -610,31 +611,6 @@ class MSCBackend(Backend):
 def _byte_view(out: memoryview) -> memoryview:
     """``out`` as a flat view of unsigned bytes (what ``bytes`` slices assign into)."""
     return out if out.format == "B" and out.ndim == 1 else out.cast("B")
-
-
-#: Most buffers one ``preadv`` call takes (the usual ``IOV_MAX``).
-_IOV_MAX = 1024
-
-
-def _preadv_all(path: str, offset: int, views: list[memoryview], total: int,
-                where: str) -> None:
-    """Fill ``views`` from ``path`` at ``offset`` with ``preadv`` (short reads continued)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        pending = list(views)
-        pos = offset
-        while pending:
-            n = os.preadv(fd, pending[:_IOV_MAX], pos)
-            if n == 0:
-                raise EOFError(f"{where} ends at byte {pos}, expected {total} bytes from "
-                               f"offset {offset} (object truncated?)")
-            pos += n
-            while pending and n >= len(pending[0]):  # drop the buffers now full
-                n -= len(pending.pop(0))
-            if n:
-                pending[0] = pending[0][n:]
-    finally:
-        os.close(fd)
 
 
 def _root(path: str) -> str:
