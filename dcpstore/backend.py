@@ -24,23 +24,50 @@ Load (every rank)::
         ...                                             # completion order, bounded memory
 
 Housekeeping (CLI, Checkpointer, coordinator): ``list(prefix)``, ``stat``, ``delete``,
-``list_uploads`` / ``abort_uploads``.
+``list_uploads`` / ``abort_uploads``, ``remove_empty_dirs``; ``close`` at the end.
 
-Implementers override the underscore primitives (``_open_upload``, ``_read_into``,
-``_put``, ``_get``, ``_stat``, ``_list``, ``_delete``) and, for object stores,
-``_translate_error`` / ``_is_retryable``. The base class adds key validation,
-retries with exponential backoff and jitter, error translation to Python's exceptions
-(``FileNotFoundError``, ``PermissionError``, ``FileExistsError``, ``TimeoutError``,
-``OSError``) and bounded concurrency for ranged reads. Backends must be picklable:
-create clients lazily and drop them in ``__getstate__``.
+Implementers override the primitives; each public method validates its keys, runs its
+primitive through :meth:`Backend._call` (retries, then one translation) and nothing else:
+
+=============================================  ==========================================
+primitive                                      public method(s)
+=============================================  ==========================================
+``_open_upload(key) -> Upload``                ``open_upload``
+``_read_into(key, offset, outs)``              ``read_ranges`` (one call per range)
+``_put(key, data, *, atomic)``                 ``put``
+``_get(key) -> bytes``                         ``get``
+``_stat(key) -> ObjectInfo``                   ``stat``, ``exists``
+``_list(prefix) -> Iterator[ObjectInfo]``      ``list``
+``_delete(keys)``                              ``delete``
+``_list_uploads(prefix)`` (multipart stores)   ``list_uploads``
+``_abort_upload(key, upload_id)`` (idem)       ``abort_uploads`` (one call per upload)
+``_classify(exc, key) -> Failure | None``      every one: retry or not, what to raise
+``_make_client() -> Any``                      the lazy :attr:`Backend.client`
+=============================================  ==========================================
+
+Errors: every exception a primitive raises is classified *once*
+(:meth:`Backend._failure`): a :class:`~dcpstore.DcpstoreError` passes unchanged and
+is never retried; an ``EOFError`` (a short object) becomes an ``OSError`` (``EIO``);
+anything else goes to the backend's :meth:`Backend._classify`, and where that returns
+``None``, ``ConnectionError`` / ``TimeoutError`` are retryable and everything else is
+raised unchanged. The same :class:`Failure` decides whether tenacity retries (exponential
+backoff, full jitter, ``max_attempts``) and, once it stops, what the caller sees.
+
+State: the client (made by ``_make_client`` on first use of :attr:`Backend.client`),
+the worker pool and other lazily created per-backend state (the multipart module's
+part buffers and upload slots) are dropped when a backend is pickled and by
+:meth:`Backend.close`, and made again on use; every ``threading.Lock`` / ``RLock``
+attribute is recreated after unpickling. So backends are picklable
+(``dcp.async_save`` in process mode) without ``__getstate__`` of their own.
 """
 
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -55,12 +82,13 @@ from tenacity import (
 )
 from typing_extensions import Buffer
 
-from .errors import InvalidURIError, StoreTimeoutError
+from .errors import DcpstoreError, InvalidURIError
 from .uri import ParsedURI, validate_key
 
 __all__ = [
     "Backend",
     "BackendOptions",
+    "Failure",
     "ObjectInfo",
     "ReadRange",
     "Upload",
@@ -69,6 +97,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_LOCK_TYPES: dict[type, Callable[[], Any]] = {
+    type(threading.Lock()): threading.Lock,
+    type(threading.RLock()): threading.RLock,
+}
+#: Key of the client in ``Backend._resources``.
+_CLIENT = "client"
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,27 @@ class ReadRange:
     key: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How one exception raised by a primitive is handled (see :meth:`Backend._classify`).
+
+    Attributes:
+        error: What the caller sees once retrying stops: a Python exception
+            (``FileNotFoundError``, ``PermissionError``, ``FileExistsError``,
+            ``ConnectionError``, ``OSError``) or a dcpstore one
+            (:class:`~dcpstore.errors.BucketNotFoundError`,
+            :class:`~dcpstore.errors.StoreTimeoutError`,
+            :class:`~dcpstore.errors.StoreThrottledError`), with the store's request id in
+            the message and never a secret; the original exception itself to re-raise it
+            unchanged. It is raised ``from`` the original.
+        retryable: Whether the failure is transient (throttling, 5xx, timeouts, dropped
+            connections): the request is tried again, up to ``max_attempts``.
+    """
+
+    error: BaseException
+    retryable: bool = False
 
 
 @dataclass
@@ -160,7 +216,7 @@ class Upload(abc.ABC):
 
 
 class Backend(abc.ABC):
-    """Base class of storage backends. See the module docstring for the call order.
+    """Base class of storage backends. See the module docstring for the contract.
 
     Args:
         location: Where the backend is rooted (absolute path or ``bucket/prefix``).
@@ -169,7 +225,7 @@ class Backend(abc.ABC):
 
     #: Options dataclass of this backend; ``get_writer(**options)`` fills it.
     Options: ClassVar[type[BackendOptions]] = BackendOptions
-    #: Name used in error messages, ``DCPSTORE_<NAME>_*`` variables and the registry.
+    #: Name used in error messages, ``DCPSTORE_<BACKEND>_<OPTION>`` variables and the registry.
     name: ClassVar[str] = "backend"
     #: URI schemes this backend serves natively (empty: any scheme it is routed).
     schemes: ClassVar[tuple[str, ...]] = ()
@@ -190,11 +246,11 @@ class Backend(abc.ABC):
         self.location = location
         self.options = options if options is not None else self.Options()
         self.options.validate()
+        self._state_lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-        self._upload_slots = threading.BoundedSemaphore(self.options.max_concurrency)
-        #: Upload part buffers, reused across parts (``dcpstore.multipart.PartBuffers``).
-        self._part_buffers: dict[Any, Any] = {}
+        #: State made on first use (the client, the multipart module's part buffers
+        #: and upload slots): dropped when pickled and by :meth:`close`.
+        self._resources: dict[str, Any] = {}
 
     # -- description -----------------------------------------------------------------
 
@@ -210,66 +266,84 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
+    # -- lifecycle: lazy state, pickling, close ----------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The store's client, made by :meth:`_make_client` on first use (thread-safe),
+        shared by the backend's threads; dropped when pickled and by :meth:`close`."""
+        return self._lazy(_CLIENT, self._make_client)
+
+    def _lazy(self, name: str, factory: Callable[[], T]) -> T:
+        """The per-backend state ``name``, made by ``factory`` on first use (double-checked
+        locking); dropped when the backend is pickled and by :meth:`close`."""
+        value = self._resources.get(name)
+        if value is None:
+            with self._state_lock:
+                value = self._resources.get(name)
+                if value is None:
+                    value = self._resources[name] = factory()
+        return value
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None
-        state.pop("_pool_lock", None)
-        state.pop("_upload_slots", None)
-        state.pop("_part_buffers", None)
-        for name in self._lazy_attributes():
-            state[name] = None
+        state["_resources"] = {}
+        locks = {name: kind for name, value in state.items()
+                 if (kind := type(value)) in _LOCK_TYPES}
+        for name in locks:
+            del state[name]
+        state["__dcpstore_locks__"] = {name: _LOCK_TYPES[kind] is threading.RLock
+                                       for name, kind in locks.items()}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        locks: dict[str, bool] = state.pop("__dcpstore_locks__", {})
         self.__dict__.update(state)
-        self._pool_lock = threading.Lock()
-        self._upload_slots = threading.BoundedSemaphore(self.options.max_concurrency)
-        self._part_buffers = {}
-
-    def _lazy_attributes(self) -> Sequence[str]:
-        """Attributes holding clients or sessions, dropped when pickling."""
-        return ()
+        for name, reentrant in locks.items():
+            setattr(self, name, threading.RLock() if reentrant else threading.Lock())
 
     def close(self) -> None:
-        """Release threads, clients and idle upload buffers; the backend stays usable
-        (they are recreated)."""
-        pool, self._pool = self._pool, None
+        """Release threads, the client and idle upload buffers; the backend stays usable
+        (they are made again on use)."""
+        with self._state_lock:
+            pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        with self._pool_lock:
-            self._part_buffers = {}  # buffers still in use go back to the dropped pools
+        with self._state_lock:
+            resources, self._resources = self._resources, {}
+        client = resources.get(_CLIENT)  # buffers still in use go back to dropped pools
+        if client is not None:
+            try:
+                self._close_client(client)
+            except Exception as exc:  # closing must never fail a caller
+                logger.debug("%s: closing the client failed: %s", self.uri, exc)
 
     # -- primitives (override) -----------------------------------------------------
 
     @abc.abstractmethod
-    def _open_upload(self, key: str) -> Upload: ...
+    def _open_upload(self, key: str) -> Upload:
+        """A streaming upload of ``key`` (see :class:`Upload`)."""
 
     @abc.abstractmethod
-    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with ``len(out)`` bytes of ``key`` from ``offset``; a short
-        object is an ``EOFError``."""
-
-    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
-        """Fill ``outs`` in order with consecutive bytes of ``key`` from ``offset``.
-
-        One request for the whole span. This default stages it in one buffer and copies
-        it out; backends whose client can read into several buffers override it.
-        """
-        staged = memoryview(bytearray(sum(len(o) for o in outs)))
-        self._read_into(key, offset, staged)
-        pos = 0
-        for out in outs:
-            out[:] = staged[pos : pos + len(out)]
-            pos += len(out)
+    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill ``outs`` in order with consecutive bytes of ``key`` from ``offset``, in
+        one request (a scatter read: e.g. item head, payload straight into a tensor,
+        tail). Their total length is > 0. A short object is an ``EOFError``."""
 
     @abc.abstractmethod
-    def _put(self, key: str, data: bytes, *, atomic: bool) -> None: ...
+    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
+        """Store a small object in one request (``atomic``: old or new, never partial)."""
 
     @abc.abstractmethod
-    def _get(self, key: str) -> bytes: ...
+    def _get(self, key: str) -> bytes:
+        """A whole (small) object."""
 
     @abc.abstractmethod
-    def _stat(self, key: str) -> ObjectInfo: ...
+    def _stat(self, key: str) -> ObjectInfo:
+        """Size and mtime of ``key``; ``FileNotFoundError`` (or an error classified as
+        one) when absent."""
 
     @abc.abstractmethod
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -279,27 +353,37 @@ class Backend(abc.ABC):
     def _delete(self, keys: Sequence[str]) -> None:
         """Delete ``keys``; missing keys are not an error."""
 
-    def _translate_error(self, exc: BaseException, key: str | None) -> BaseException | None:
-        """Map a client exception to a Python one (keep request ids in the message).
+    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
+        """Classify an exception of the store's client, once: what to raise and whether
+        to retry (see :class:`Failure`). ``key`` is the key the request was about.
 
-        Return ``None`` to re-raise ``exc`` unchanged.
+        Return ``None`` for the default: ``ConnectionError`` and ``TimeoutError`` are
+        retried, anything else is raised unchanged. ``DcpstoreError`` and ``EOFError``
+        never reach this method.
         """
         return None
 
-    def _is_retryable(self, exc: BaseException) -> bool:
-        """Whether an (untranslated) exception is transient: throttling, 5xx, resets."""
-        return isinstance(exc, (ConnectionError, TimeoutError)) and not isinstance(
-            exc, StoreTimeoutError
-        )
+    def _make_client(self) -> Any:
+        """Create the store's client (called once, under a lock, by :attr:`client`)."""
+        raise NotImplementedError(f"{type(self).__name__} uses no client")
 
-    def list_uploads(self, prefix: str = "") -> list[tuple[str, str]]:
-        """Unfinished multipart uploads under ``prefix`` as ``(key, upload_id)``."""
-        return []
+    def _close_client(self, client: Any) -> None:
+        """Release a client :meth:`close` dropped (default: nothing; it is garbage)."""
+        return None
 
-    def abort_uploads(self, uploads: Iterable[tuple[str, str]]) -> None:
-        """Abort unfinished multipart uploads returned by :meth:`list_uploads`."""
-        for _ in uploads:
-            raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+    def _list_uploads(self, prefix: str) -> Iterable[tuple[str, str]]:
+        """Unfinished multipart uploads whose key starts with ``prefix``, as
+        ``(key, upload_id)`` (stores without multipart uploads: none)."""
+        return ()
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one unfinished multipart upload; one already gone is not an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+
+    def remove_empty_dirs(self) -> None:
+        """Remove the root and its sub-directories if they hold no objects: a hook for
+        stores with real directories (local files); object stores have none."""
+        return None
 
     # -- public API ------------------------------------------------------------------
 
@@ -328,6 +412,19 @@ class Backend(abc.ABC):
         except FileNotFoundError:
             return False
         return True
+
+    def list_uploads(self, prefix: str = "") -> list[tuple[str, str]]:
+        """Unfinished multipart uploads under ``prefix`` as ``(key, upload_id)``, sorted
+        (what a crashed save left behind; ``dcpstore gc`` aborts them)."""
+        if prefix:
+            validate_key(prefix.rstrip("/") or "x")
+        found = self._call(lambda: list(self._list_uploads(prefix)), key=prefix or None)
+        return sorted(set(found))
+
+    def abort_uploads(self, uploads: Iterable[tuple[str, str]]) -> None:
+        """Abort unfinished multipart uploads returned by :meth:`list_uploads`."""
+        for key, upload_id in uploads:
+            self._call(self._abort_upload, validate_key(key), upload_id, key=key)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """All objects under the root whose key starts with ``prefix``, sorted by key."""
@@ -380,15 +477,13 @@ class Backend(abc.ABC):
                 if len(out) != r.length:
                     raise ValueError(f"read_ranges: buffer {i} holds {len(out)} bytes, "
                                      f"range is {r.length}")
-                if r.length:
-                    self._call(self._read_into, r.key, r.offset, out, key=r.key)
+                outs: Sequence[memoryview] = (out,)
             else:
                 if sum(len(o) for o in out) != r.length:
                     raise ValueError(f"read_ranges: buffers {i} do not add up to {r.length}")
-                if len(out) == 1:
-                    self._call(self._read_into, r.key, r.offset, out[0], key=r.key)
-                elif r.length:
-                    self._call(self._read_into_scatter, r.key, r.offset, out, key=r.key)
+                outs = out
+            if r.length:
+                self._call(self._read_into, r.key, r.offset, outs, key=r.key)
             return i, out
 
         if len(ranges) == 1 or self.options.max_concurrency == 1:
@@ -416,7 +511,7 @@ class Backend(abc.ABC):
 
     def _executor(self) -> ThreadPoolExecutor:
         """Shared worker pool of this backend (created on first use)."""
-        with self._pool_lock:
+        with self._state_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
                     max_workers=self.options.max_concurrency,
@@ -424,8 +519,33 @@ class Backend(abc.ABC):
                 )
             return self._pool
 
-    def _retrying(self) -> Retrying:
+    def _failure(self, exc: Exception, key: str | None) -> Failure:
+        """Classify ``exc`` once (see the module docstring)."""
+        if isinstance(exc, DcpstoreError):
+            return Failure(exc)
+        if isinstance(exc, EOFError):
+            message = str(exc) or "the object ends before the requested range"
+            if key is not None and key not in message:
+                message = f"{key}: {message}"
+            return Failure(OSError(errno.EIO, message))
+        failure = self._classify(exc, key)
+        if failure is not None:
+            return failure
+        return Failure(exc, retryable=isinstance(exc, (ConnectionError, TimeoutError)))
+
+    def _call(self, fn: Callable[..., T], *args: Any, key: str | None = None,
+              **kwargs: Any) -> T:
+        """Run one request with retries, then raise what its classification says."""
         o = self.options
+        last: dict[str, tuple[BaseException, Failure]] = {}  # the retry predicate's
+
+        def failure_of(exc: BaseException) -> Failure:
+            seen = last.get("exc")
+            if seen is not None and seen[0] is exc:
+                return seen[1]
+            failure = self._failure(exc, key) if isinstance(exc, Exception) else Failure(exc)
+            last["exc"] = (exc, failure)
+            return failure
 
         def log_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -434,23 +554,20 @@ class Backend(abc.ABC):
                 o.max_attempts, _describe(exc),
             )
 
-        return Retrying(
+        retrying = Retrying(
             stop=stop_after_attempt(o.max_attempts),
             wait=wait_random_exponential(multiplier=o.retry_backoff, max=o.retry_backoff_max),
-            retry=retry_if_exception(self._is_retryable),
+            retry=retry_if_exception(lambda exc: failure_of(exc).retryable),
             before_sleep=log_retry,
             reraise=True,
         )
-
-    def _call(self, fn: Any, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
-        """Run one request with retries, then translate what escaped."""
         try:
-            return self._retrying()(fn, *args, **kwargs)
+            return retrying(fn, *args, **kwargs)
         except Exception as exc:
-            translated = self._translate_error(exc, key)
-            if translated is None or translated is exc:
+            error = failure_of(exc).error
+            if error is exc:
                 raise
-            raise translated from exc
+            raise error from exc
 
 
 def uninitialized_buffer(nbytes: int) -> memoryview:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendNotFoundError",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
@@ -17,6 +18,7 @@ __all__ = [
     "IntegrityError",
     "InvalidURIError",
     "ShardingError",
+    "StoreThrottledError",
     "StoreTimeoutError",
     "UnsafeCheckpointError",
     "UnsafeKeyError",
@@ -38,6 +40,16 @@ class UnsafeKeyError(InvalidURIError):
 
 class BackendNotFoundError(DcpstoreError, LookupError):
     """No backend is registered for a URI scheme (or the named backend is unknown)."""
+
+
+class BucketNotFoundError(DcpstoreError, OSError):
+    """The bucket, container or storage profile a URI names does not exist.
+
+    Raised by every backend for the same failure (S3 ``NoSuchBucket``, GCS 404 on the
+    bucket, an MSC storage that is missing). Deliberately *not* a ``FileNotFoundError``:
+    a missing bucket is a configuration error, and must never read as "there is no
+    checkpoint here yet" (which a ``FileNotFoundError`` from ``exists``/``stat`` means).
+    """
 
 
 class CheckpointNotFoundError(DcpstoreError, FileNotFoundError):
@@ -73,3 +85,10 @@ class CheckpointMismatchError(DcpstoreError, KeyError):
 
 class StoreTimeoutError(DcpstoreError, TimeoutError):
     """A storage request did not complete within its timeout (after retries)."""
+
+
+class StoreThrottledError(DcpstoreError, OSError):
+    """The store kept throttling requests (S3 ``SlowDown``, HTTP 429, ...) through every
+    attempt. Raised with ``errno.EAGAIN``: lower ``max_concurrency``, raise
+    ``max_attempts`` / ``retry_backoff_max``, or spread the keys (S3 ``prefix_strategy``).
+    """

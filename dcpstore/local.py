@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from typing_extensions import Buffer
 
-from .backend import Backend, BackendOptions, ObjectInfo, Upload
+from .backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
 
 __all__ = ["LocalBackend", "LocalOptions", "read_file_into"]
 
@@ -195,10 +195,7 @@ class LocalBackend(Backend):
     def _open_upload(self, key: str) -> Upload:
         return _FileUpload(self, key)
 
-    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
-        self._read_into_scatter(key, offset, [out])
-
-    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         read_file_into(self._path(key), offset, outs)
 
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
@@ -269,19 +266,17 @@ class LocalBackend(Backend):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)
 
-    def _translate_error(self, exc: BaseException, key: str | None) -> BaseException | None:
+    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
         if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.exists(
             self.location
         ) and not os.path.isdir(self.location):
-            return NotADirectoryError(
+            return Failure(NotADirectoryError(
                 errno.ENOTDIR,
                 f"checkpoint location {self.location} is a file, not a directory; "
                 "choose a directory path",
-            )
+            ))
         if isinstance(exc, FileNotFoundError) and key is not None:
-            return FileNotFoundError(
+            return Failure(FileNotFoundError(
                 errno.ENOENT, f"no such object {key!r} under {self.location}", self._path(key)
-            )
-        if isinstance(exc, EOFError):
-            return OSError(str(exc))
+            ))
         return None

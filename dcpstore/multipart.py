@@ -10,6 +10,11 @@ buffer), and the same buffers are reused part after part: no fresh memory (page 
 kernel zeroing) per part, no allocator churn. The pool keeps at most
 ``max_concurrency + 2`` idle buffers until :meth:`~dcpstore.Backend.close`.
 
+That per-backend state (the upload slots and the buffer pools) is a
+:class:`MultipartState`, made on first use through the backend's lazy state: it is
+dropped when the backend is pickled (an unpickled backend makes a fresh one) and by
+``close()``. An upload keeps the state it started with until it ends.
+
 An object that ends smaller than one part is stored with a single request instead, so
 small files cost one PUT.
 """
@@ -32,7 +37,7 @@ from .backend import ObjectInfo, Upload
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["MultipartUpload", "PartBuffers", "anonymous_buffer"]
+__all__ = ["MultipartState", "MultipartUpload", "PartBuffers", "anonymous_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +80,7 @@ class PartBuffers:
            allocate: Callable[[int], Buffer] = anonymous_buffer) -> PartBuffers:
         """The pool of ``backend`` for buffers of ``size`` made by ``allocate`` (created
         on first use; it keeps ``max_concurrency + 2`` idle buffers at most)."""
-        with backend._pool_lock:
-            pools = backend._part_buffers
-            pool = pools.get((size, allocate))
-            if pool is None:
-                pool = pools[(size, allocate)] = cls(
-                    size, backend.options.max_concurrency + 2, allocate)
-            return pool
+        return MultipartState.of(backend).buffers(size, allocate)
 
     @property
     def free(self) -> int:
@@ -114,6 +113,47 @@ class PartBuffers:
                 self._free.append(buf)
 
 
+class MultipartState:
+    """The multipart machinery's state of one backend: the semaphore that caps the parts
+    in flight (``max_concurrency``) and the part-buffer pools, one per size and
+    allocator. Get it with :meth:`of`.
+
+    Attributes:
+        slots: Parts in flight at once, across every upload of the backend.
+        pools: The :class:`PartBuffers` by ``(size, allocate)``.
+    """
+
+    _KEY = "multipart"
+
+    def __init__(self, max_concurrency: int, keep: int) -> None:
+        self.slots = threading.BoundedSemaphore(max_concurrency)
+        self.pools: dict[tuple[int, Callable[[int], Buffer]], PartBuffers] = {}
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, backend: Backend) -> MultipartState:
+        """The state of ``backend``, made on first use (dropped when the backend is
+        pickled and by its ``close()``)."""
+        concurrency = backend.options.max_concurrency
+        return backend._lazy(cls._KEY, lambda: cls(concurrency, concurrency + 2))
+
+    @classmethod
+    def peek(cls, backend: Backend) -> MultipartState | None:
+        """The state of ``backend`` if it has one now (made by nothing)."""
+        state: MultipartState | None = backend._resources.get(cls._KEY)
+        return state
+
+    def buffers(self, size: int,
+                allocate: Callable[[int], Buffer] = anonymous_buffer) -> PartBuffers:
+        """The pool of buffers of ``size`` made by ``allocate`` (created on first use)."""
+        with self._lock:
+            pool = self.pools.get((size, allocate))
+            if pool is None:
+                pool = self.pools[(size, allocate)] = PartBuffers(size, self._keep, allocate)
+            return pool
+
+
 class MultipartUpload(Upload):
     """Base class of part-based streaming uploads.
 
@@ -137,6 +177,7 @@ class MultipartUpload(Upload):
         self.key = key
         self.part_size = part_size or backend.options.part_size
         self.upload_id: str | None = None
+        self._state = MultipartState.of(backend)  # kept until this upload ends
         # the part being filled: a pooled buffer, a view of it, the bytes in it
         self._buffer: Buffer | None = None
         self._buffer_pool: PartBuffers | None = None
@@ -239,7 +280,7 @@ class MultipartUpload(Upload):
 
     def _take_buffer(self) -> memoryview:
         """Start filling a pooled buffer of the current ``part_size``."""
-        pool = PartBuffers.of(self.backend, self.part_size, type(self)._allocate_buffer)
+        pool = self._state.buffers(self.part_size, type(self)._allocate_buffer)
         buf = pool.acquire()
         self._buffer, self._buffer_pool = buf, pool
         self._view = memoryview(buf).cast("B")
@@ -266,7 +307,7 @@ class MultipartUpload(Upload):
         number = self._next_part
         self._next_part += 1
         buf, pool, n = self._hand_over()
-        slots = self.backend._upload_slots
+        slots = self._state.slots
         try:
             slots.acquire()  # blocks while max_concurrency parts are in flight
         except BaseException:
@@ -303,7 +344,7 @@ class MultipartUpload(Upload):
             try:
                 pool.release(buf)
             finally:
-                self.backend._upload_slots.release()
+                self._state.slots.release()
 
     def _on_part_done(self, fut: Future[None], buf: Buffer, pool: PartBuffers) -> None:
         """A part cancelled before it ran never reached :meth:`_run_part`'s cleanup."""
@@ -311,7 +352,7 @@ class MultipartUpload(Upload):
             try:
                 pool.release(buf)
             finally:
-                self.backend._upload_slots.release()
+                self._state.slots.release()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

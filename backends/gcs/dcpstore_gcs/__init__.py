@@ -3,11 +3,11 @@
 >>> import dcpstore
 >>> writer = dcpstore.get_writer("gs://my-bucket/run7/step-1200")
 
-See :mod:`dcpstore_gcs.gcs` for how uploads and reads map onto the GCS JSON API.
+See :mod:`dcpstore_gcs.backend` for how uploads and reads map onto the GCS JSON API.
 """
 
 from __future__ import annotations
 
-from .gcs import BucketNotFoundError, GCSBackend, GCSOptions, GCSRequestError
+from .backend import BucketNotFoundError, GCSBackend, GCSOptions, GCSRequestError
 
 __all__ = ["BucketNotFoundError", "GCSBackend", "GCSOptions", "GCSRequestError"]

@@ -4,12 +4,12 @@
 >>> writer = dcpstore.get_writer("msc://my-profile/run7/step-1200")
 >>> writer = dcpstore.get_writer("s3://bucket/run7/step-1200", backend="msc")  # feature flag
 
-See :mod:`dcpstore_msc.msc` for how dcpstore's primitives map onto MSC.
+See :mod:`dcpstore_msc.backend` for how dcpstore's primitives map onto MSC.
 """
 
 from __future__ import annotations
 
-from .msc import (
+from .backend import (
     MSCBackend,
     MSCConfigError,
     MSCOptions,

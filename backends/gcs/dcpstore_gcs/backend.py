@@ -21,14 +21,16 @@ Writes
     flight. GCS allows 1024 components per composite object; parts grow (2x after part
     512, 4x after 768, 8x after 896) so one object can reach 2560 x ``part_size``
     (80 GiB at the default 32 MiB) before an error asks for a larger ``part_size``.
-    Parts left behind by a crash are found by :meth:`GCSBackend.list_uploads` and
-    removed by :meth:`GCSBackend.abort_uploads` (``dcpstore gc``). Buckets with a
+    Parts left behind by a crash are found by ``list_uploads`` and removed by
+    ``abort_uploads`` (``dcpstore gc``). Buckets with a
     soft-delete policy keep deleted parts (and bill them) for the retention period.
 
 Reads
     Ranged ``GET ...?alt=media`` requests with a ``Range`` header, streamed straight
     into the caller's buffer; the base class runs them concurrently. Whole-object reads
     verify the CRC32C GCS returns in ``x-goog-hash``.
+
+gcsfs itself is reached only through :mod:`dcpstore_gcs.gcsfs_adapter`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ import contextlib
 import errno
 import logging
 import os
-import threading
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,10 +52,17 @@ from urllib.parse import urlsplit
 import aiohttp
 from typing_extensions import Buffer
 
-from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
-from dcpstore.errors import DcpstoreError, IntegrityError, StoreTimeoutError
+from dcpstore.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.errors import (
+    BucketNotFoundError,
+    IntegrityError,
+    StoreThrottledError,
+    StoreTimeoutError,
+)
 from dcpstore.manifest import crc32c
 from dcpstore.multipart import MultipartUpload
+
+from .gcsfs_adapter import GcsfsClient
 
 __all__ = [
     "BucketNotFoundError",
@@ -74,12 +81,14 @@ MAX_COMPONENTS = 1024
 #: Part numbers after which parts double in size (see the module docstring).
 _GROWTH = ((896, 8), (768, 4), (512, 2))
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: How GCS asks clients to slow down (429 rate limits, 503 "backend busy").
+_THROTTLING_STATUS = frozenset({429, 503})
 _REQUEST_ID_HEADERS = ("X-GUploader-UploadID", "X-Goog-Request-Id", "X-Request-Id")
 
 
 @dataclass
 class GCSOptions(BackendOptions):
-    """Options of the GCS backend (also ``DCPSTORE_GS_<NAME>`` variables, URI query).
+    """Options of the GCS backend (also ``DCPSTORE_GS_<OPTION>`` variables, URI query).
 
     Attributes:
         endpoint_url: JSON API endpoint, e.g. ``http://127.0.0.1:4443`` for an emulator.
@@ -159,17 +168,9 @@ def _rebuild_request_error(status: int, message: str, reason: str, request_id: s
                            method=method, url=url)
 
 
-class BucketNotFoundError(DcpstoreError, OSError):
-    """The bucket of a ``gs://`` URI does not exist.
-
-    Deliberately not a ``FileNotFoundError``: a missing bucket is a configuration
-    error, never "this checkpoint does not exist yet", so a save refuses to start
-    instead of writing into nowhere.
-    """
-
-
-class _ChecksumMismatch(IntegrityError):
-    """Downloaded bytes do not match the CRC32C GCS reported (retried)."""
+class _ChecksumMismatch(Exception):
+    """Downloaded bytes do not match the CRC32C GCS reported: retried, then raised as
+    an :class:`~dcpstore.errors.IntegrityError` (a ``DcpstoreError`` would not be)."""
 
 
 def _rid(request_id: str) -> str:
@@ -274,26 +275,29 @@ class _CompositeUpload(MultipartUpload):
         self._delete_parts(temporary)
 
     def _delete_parts(self, names: list[str]) -> None:
-        """Delete temporary parts, retrying only the deletes that failed (one failure
-        among hundreds must not restart them all); leftovers are logged and found by
-        ``list_uploads`` / ``dcpstore gc``. Never raises: the object is committed."""
+        """Delete temporary parts through the backend's retry, each attempt retrying only
+        the deletes that failed (one failure among hundreds must not restart them all);
+        leftovers are logged and found by ``list_uploads`` / ``dcpstore gc``. Never
+        raises: the object is committed."""
         be = self.backend
-        left = names
+        left = list(names)
+
+        def attempt() -> None:
+            nonlocal left
+            failed = be._run(be._delete_each(left))
+            left = [name for name, _ in failed]
+            if failed:
+                raise failed[0][1]
+
         try:
-            for attempt in range(be.options.max_attempts):
-                if attempt:
-                    time.sleep(min(be.options.retry_backoff * 2 ** attempt,
-                                   be.options.retry_backoff_max))
-                left = be._run(be._delete_each(left))
-                if not left:
-                    return
+            be._call(attempt, key=self.key)
         except Exception as exc:
             logger.debug("deleting temporary parts of %s failed: %s", self.key, exc)
-        logger.warning("could not delete %d of %d temporary parts of %s; `dcpstore gc` "
-                       "removes them", len(left), len(names), self.key)
+            logger.warning("could not delete %d of %d temporary parts of %s; `dcpstore gc` "
+                           "removes them", len(left), len(names), self.key)
 
     def _abort_multipart(self, upload_id: str) -> None:
-        self.backend._abort_upload_id(upload_id)
+        self.backend._abort_upload(self.key, upload_id)
 
     def _put_whole(self, data: memoryview) -> None:
         self.backend._run(self.backend._upload_object(self.backend._name(self.key), data,
@@ -320,23 +324,9 @@ class GCSBackend(Backend):
             raise ValueError(f"GCS location {location!r} has no bucket")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self._fs: Any = None
-        self._fs_lock = threading.Lock()
         self._bucket_exists: bool | None = None
 
     # -- plumbing ----------------------------------------------------------------------
-
-    def _lazy_attributes(self) -> Sequence[str]:
-        return ("_fs",)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.pop("_fs_lock", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._fs_lock = threading.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -344,7 +334,7 @@ class GCSBackend(Backend):
         if self.options.endpoint_url:
             url = self.options.endpoint_url.rstrip("/")
             return url if "://" in url else f"http://{url}"
-        return str(self._filesystem()._location)
+        return self.client.endpoint
 
     def _token(self) -> Any:
         o = self.options
@@ -356,30 +346,11 @@ class GCSBackend(Backend):
             return "anon"  # like google-cloud-storage: emulators take no credentials
         return None
 
-    def _filesystem(self) -> Any:
-        fs = self._fs
-        if fs is not None:
-            return fs
-        with self._fs_lock:
-            if self._fs is None:
-                # The core class, not gcsfs's experimental zonal/HNS subclass (selected by
-                # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT): that one looks every bucket up over
-                # gRPC first, which hangs for a minute against emulators.
-                from gcsfs.core import GCSFileSystem
-
-                o = self.options
-                kwargs: dict[str, Any] = {
-                    "token": self._token(),
-                    "requester_pays": o.requester_pays,
-                    "use_listings_cache": False,
-                }
-                if o.project:
-                    kwargs["project"] = o.project
-                if o.endpoint_url:
-                    url = o.endpoint_url.rstrip("/")
-                    kwargs["endpoint_url"] = url if "://" in url else f"http://{url}"
-                self._fs = GCSFileSystem(**kwargs)
-            return self._fs
+    def _make_client(self) -> GcsfsClient:
+        o = self.options
+        return GcsfsClient(token=self._token(), project=o.project,
+                           requester_pays=o.requester_pays,
+                           endpoint_url=self.endpoint if o.endpoint_url else None)
 
     def _name(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -394,12 +365,10 @@ class GCSBackend(Backend):
 
     def _run(self, coro: Any) -> Any:
         """Run a coroutine on gcsfs's event loop thread and wait for it."""
-        import fsspec.asyn
-
-        loop = self._filesystem().loop
+        client = self.client
         # aiohttp's per-request timeout fires first; this is only a safety net
-        limit = self.options.timeout * 4 + self.options.connect_timeout + 30
-        return fsspec.asyn.sync(loop, lambda: coro, timeout=limit)
+        return client.run(coro, timeout=self.options.timeout * 4
+                          + self.options.connect_timeout + 30)
 
     async def _request(
         self,
@@ -412,10 +381,10 @@ class GCSBackend(Backend):
         json_body: Any = None,
         ok_statuses: Iterable[int] = (),
     ) -> tuple[int, Any, bytes]:
-        fs = self._filesystem()
-        session = await fs._set_session()
-        hdrs = fs._get_headers(headers)  # credentials + user agent
-        query = fs._get_params(dict(params or {}))  # + userProject for requester pays
+        client = self.client
+        session = await client.session()
+        hdrs = client.headers(headers)  # credentials + user agent
+        query = client.params(params)  # + userProject for requester pays
         timeout = aiohttp.ClientTimeout(total=self.options.timeout,
                                         sock_connect=self.options.connect_timeout)
         async with session.request(method, url, params=query, headers=hdrs, data=data,
@@ -472,21 +441,22 @@ class GCSBackend(Backend):
 
         await self._gather([one(n) for n in names])
 
-    async def _delete_each(self, names: Sequence[str]) -> list[str]:
-        """Try to delete every object (a missing one is fine); return those that failed."""
+    async def _delete_each(self, names: Sequence[str]) -> list[tuple[str, Exception]]:
+        """Try to delete every object (a missing one is fine); return those that failed,
+        each with its error."""
         sem = asyncio.Semaphore(self.options.max_concurrency)
 
-        async def one(name: str) -> bool:
+        async def one(name: str) -> Exception | None:
             async with sem:
                 try:
                     await self._request("DELETE", self._url("o", _q(name)), ok_statuses=(404,))
                 except Exception as exc:
                     logger.debug("DELETE %s failed: %s", name, exc)
-                    return False
-                return True
+                    return exc
+                return None
 
         done = await asyncio.gather(*(one(n) for n in names))
-        return [n for n, ok in zip(names, done, strict=True) if not ok]
+        return [(n, exc) for n, exc in zip(names, done, strict=True) if exc is not None]
 
     async def _list_names(self, prefix: str) -> list[tuple[str, int, float | None]]:
         out: list[tuple[str, int, float | None]] = []
@@ -506,15 +476,18 @@ class GCSBackend(Backend):
             if not token:
                 return out
 
-    async def _read_range(self, name: str, offset: int, out: memoryview) -> None:
-        fs = self._filesystem()
-        session = await fs._set_session()
-        want = len(out)
+    async def _read_range(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """One ranged GET streamed into ``outs`` in order (no staging buffer)."""
+        client = self.client
+        session = await client.session()
+        views = [o if o.format == "B" and o.ndim == 1 else o.cast("B") for o in outs if len(o)]
+        want = sum(len(v) for v in views)
         url = self._url("o", _q(name))
-        hdrs = fs._get_headers({"Range": f"bytes={offset}-{offset + want - 1}"})
+        hdrs = client.headers({"Range": f"bytes={offset}-{offset + want - 1}"})
         timeout = aiohttp.ClientTimeout(total=self.options.timeout,
                                         sock_connect=self.options.connect_timeout)
-        async with session.get(url, params=fs._get_params({"alt": "media"}), headers=hdrs,
+        pos, piece, filled = 0, 0, 0  # bytes taken; the destination being filled, its fill
+        async with session.get(url, params=client.params({"alt": "media"}), headers=hdrs,
                                timeout=timeout) as resp:
             if resp.status == 416:
                 raise EOFError(f"gs://{self.bucket}/{name} is shorter than {offset + 1} bytes "
@@ -522,15 +495,20 @@ class GCSBackend(Backend):
             if resp.status >= 400:
                 raise _http_error(resp, await resp.read(), "GET", url)
             skip = offset if resp.status == 200 else 0  # server ignored the Range header
-            pos = 0
             async for chunk in resp.content.iter_any():
                 view = memoryview(chunk)
                 if skip:
                     cut = min(skip, len(view))
                     view, skip = view[cut:], skip - cut
-                take = min(len(view), want - pos)
-                out[pos:pos + take] = view[:take]
-                pos += take
+                while view and pos < want:
+                    dest = views[piece]
+                    take = min(len(view), len(dest) - filled)
+                    dest[filled:filled + take] = view[:take]
+                    view = view[take:]
+                    filled += take
+                    pos += take
+                    if filled == len(dest):
+                        piece, filled = piece + 1, 0
                 if pos >= want:
                     break
         if pos < want:
@@ -549,20 +527,21 @@ class GCSBackend(Backend):
             )
         return body
 
-    def _abort_upload_id(self, upload_id: str) -> None:
+    # -- primitives ----------------------------------------------------------------------
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Delete the parts of one unfinished composite upload."""
         prefix = self._name(f"{UPLOADS_PREFIX}{upload_id}/")
         names = [n for n, _, _ in self._run(self._list_names(prefix))]
         if names:
             self._run(self._delete_objects(names))
 
-    # -- primitives ----------------------------------------------------------------------
-
     def _open_upload(self, key: str) -> Upload:
-        self._filesystem()  # fail here, on credentials, not in a worker thread
+        self.client  # noqa: B018 (fail here, on credentials, not in a worker thread)
         return _CompositeUpload(self, key)
 
-    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
-        self._run(self._read_range(self._name(key), offset, out))
+    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        self._run(self._read_range(self._name(key), offset, outs))
 
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
         # a GCS object upload is atomic: readers see the old object or the new one
@@ -588,38 +567,17 @@ class GCSBackend(Backend):
     def _delete(self, keys: Sequence[str]) -> None:
         self._run(self._delete_objects([self._name(k) for k in keys]))
 
-    # -- unfinished uploads ------------------------------------------------------------
-
-    def list_uploads(self, prefix: str = "") -> list[tuple[str, str]]:
+    def _list_uploads(self, prefix: str) -> Iterator[tuple[str, str]]:
         """Composite uploads that left parts behind, as ``(key, upload_id)``."""
-        names = self._call(lambda: self._run(self._list_names(self._name(UPLOADS_PREFIX))),
-                           key=UPLOADS_PREFIX)
-        found: set[tuple[str, str]] = set()
-        for name, _, _ in names:
+        for name, _, _ in self._run(self._list_names(self._name(UPLOADS_PREFIX))):
             segments = self._key(name)[len(UPLOADS_PREFIX):].split("/")
             if len(segments) < 3:
                 continue
             key = "/".join(segments[2:])
             if key.startswith(prefix):
-                found.add((key, segments[0]))
-        return sorted(found)
-
-    def abort_uploads(self, uploads: Iterable[tuple[str, str]]) -> None:
-        """Delete the parts of unfinished composite uploads."""
-        for key, upload_id in uploads:
-            self._call(self._abort_upload_id, upload_id, key=key)
+                yield key, segments[0]
 
     # -- errors --------------------------------------------------------------------------
-
-    def _is_retryable(self, exc: BaseException) -> bool:
-        if isinstance(exc, GCSRequestError):
-            return exc.status in _RETRYABLE_STATUS
-        if isinstance(exc, _ChecksumMismatch):
-            return True
-        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                            asyncio.TimeoutError, ConnectionError)):
-            return True
-        return super()._is_retryable(exc)
 
     def _check_bucket(self) -> bool:
         """Whether the bucket exists (``True`` when that cannot be told)."""
@@ -635,62 +593,72 @@ class GCSBackend(Backend):
                 return True
         return self._bucket_exists
 
-    def _translate_error(self, exc: BaseException, key: str | None) -> BaseException | None:
+    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
         where = f"gs://{self.bucket}/{self._name(key)}" if key else f"gs://{self.location}"
         if isinstance(exc, GCSRequestError):
-            rid = _rid(exc.request_id)
-            if exc.status == 404:
-                if "bucket" in exc.message.lower() or not self._check_bucket():
-                    return BucketNotFoundError(
-                        f"GCS bucket {self.bucket!r} does not exist (at {self.endpoint}){rid}; "
-                        "create it first or fix the URI"
-                    )
-                return FileNotFoundError(errno.ENOENT, f"no such object {where}{rid}")
-            if exc.status == 401:
-                return PermissionError(
-                    errno.EACCES,
-                    f"GCS rejected the credentials for {exc.method} {where}: {exc.message}{rid}. "
-                    "Check GOOGLE_APPLICATION_CREDENTIALS / `gcloud auth application-default "
-                    "login`, or pass token=...",
-                )
-            if exc.status == 403:
-                return PermissionError(
-                    errno.EACCES, f"permission denied: {exc.method} {where}: {exc.message}{rid}"
-                )
-            if exc.status == 412:
-                return FileExistsError(errno.EEXIST, f"precondition failed for {where}{rid}")
-            if exc.status == 416:
-                return OSError(f"{where}: requested range not satisfiable{rid}")
-            return OSError(f"GCS {exc.method} {where} failed: HTTP {exc.status} "
-                           f"{exc.message}{rid}")
+            return Failure(self._http_failure(exc, where), exc.status in _RETRYABLE_STATUS)
         if isinstance(exc, _ChecksumMismatch):
-            return None
+            return Failure(IntegrityError(str(exc)), retryable=True)
         if isinstance(exc, asyncio.TimeoutError) or _is_fs_timeout(exc):
-            return StoreTimeoutError(
-                f"GCS request for {where} at {self.endpoint} timed out after "
+            return Failure(StoreTimeoutError(
+                f"GCS request for {where} at {self._safe_endpoint()} timed out after "
                 f"{self.options.timeout:g}s ({self.options.max_attempts} attempts); raise "
                 "timeout= or check the network"
-            )
+            ), retryable=True)
         if isinstance(exc, (aiohttp.ClientConnectionError, ConnectionError)):
-            return ConnectionError(
+            return Failure(ConnectionError(
                 f"cannot reach GCS at {self._safe_endpoint()} for {where}: {exc}. Check "
                 "endpoint_url / STORAGE_EMULATOR_HOST and that the server is running"
-            )
+            ), retryable=True)
         if isinstance(exc, aiohttp.ClientPayloadError):  # a response cut short, every time
-            return ConnectionError(
+            return Failure(ConnectionError(
                 f"connection to GCS at {self._safe_endpoint()} dropped during a request for "
                 f"{where} ({self.options.max_attempts} attempt(s)): {exc}"
-            )
-        if isinstance(exc, EOFError):
-            return OSError(str(exc))
+            ), retryable=True)
         if _is_auth_error(exc):
-            return PermissionError(
+            return Failure(PermissionError(
                 errno.EACCES,
                 f"could not get Google credentials for {where}: {exc}. Set "
                 "GOOGLE_APPLICATION_CREDENTIALS, run `gcloud auth application-default login`, "
                 "or pass token='anon' for public buckets and emulators",
-            )
+            ))
         return None
+
+    def _http_failure(self, exc: GCSRequestError, where: str) -> OSError:
+        """The exception an HTTP error of GCS becomes (its request id kept)."""
+        rid = _rid(exc.request_id)
+        if exc.status == 404:
+            if "bucket" in exc.message.lower() or not self._check_bucket():
+                return BucketNotFoundError(
+                    errno.ENOENT,
+                    f"GCS bucket {self.bucket!r} does not exist (at {self._safe_endpoint()})"
+                    f"{rid}; create it first or fix the URI",
+                )
+            return FileNotFoundError(errno.ENOENT, f"no such object {where}{rid}")
+        if exc.status == 401:
+            return PermissionError(
+                errno.EACCES,
+                f"GCS rejected the credentials for {exc.method} {where}: {exc.message}{rid}. "
+                "Check GOOGLE_APPLICATION_CREDENTIALS / `gcloud auth application-default "
+                "login`, or pass token=...",
+            )
+        if exc.status == 403:
+            return PermissionError(
+                errno.EACCES, f"permission denied: {exc.method} {where}: {exc.message}{rid}"
+            )
+        if exc.status == 412:
+            return FileExistsError(errno.EEXIST, f"precondition failed for {where}{rid}")
+        if exc.status == 416:
+            return OSError(f"{where}: requested range not satisfiable{rid}")
+        if exc.status in _THROTTLING_STATUS:
+            return StoreThrottledError(
+                errno.EAGAIN,
+                f"GCS {exc.method} {where} failed: HTTP {exc.status} {exc.message}{rid}; "
+                f"throttled through {self.options.max_attempts} attempt(s): lower "
+                "max_concurrency or raise max_attempts / retry_backoff_max",
+            )
+        return OSError(f"GCS {exc.method} {where} failed: HTTP {exc.status} "
+                       f"{exc.message}{rid}")
 
     def _safe_endpoint(self) -> str:
         try:

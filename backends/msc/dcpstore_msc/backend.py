@@ -18,6 +18,14 @@ with ``preadv`` straight into the destinations. Retries and timeouts are MSC's o
 profile's ``retry`` section and the provider's options, e.g. ``connect_timeout``,
 ``read_timeout``, ``retries`` for S3): dcpstore does not retry on top of them.
 
+Errors are classified by MSC's own exception types (``FileNotFoundError``,
+``PermissionError``, ``PreconditionFailedError``, ``RetryableError``, and
+``RuntimeError`` for anything else), refined where needed by the structured status of
+the provider error MSC chained to them, never by messages. MSC reports a missing bucket
+as a missing object, so a ``FileNotFoundError`` from an object store is checked once by
+listing the root: if that fails too, the storage itself is missing
+(:class:`~dcpstore.errors.BucketNotFoundError`).
+
 Uploads. MSC has no streaming multipart API, so a data file is buffered in memory up to
 ``part_size`` bytes and sent with one ``write``; a larger one spills to a temporary
 file (in ``spool_dir``) that is handed to MSC's ``upload_file`` on commit — for object
@@ -40,13 +48,19 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 from typing_extensions import Buffer
 
-from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
-from dcpstore.errors import DcpstoreError, StoreTimeoutError
+from dcpstore.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.errors import (
+    BucketNotFoundError,
+    DcpstoreError,
+    StoreThrottledError,
+    StoreTimeoutError,
+)
 from dcpstore.local import read_file_into
 from dcpstore.redact import install_log_redaction, redact
 from dcpstore.uri import ParsedURI
@@ -66,7 +80,7 @@ MSC_SCHEME = "msc"
 
 @dataclass
 class MSCOptions(BackendOptions):
-    """Options of the MSC backend (also ``DCPSTORE_MSC_<NAME>`` variables, URI query).
+    """Options of the MSC backend (also ``DCPSTORE_MSC_<OPTION>`` variables, URI query).
 
     Attributes:
         config: The MSC configuration: a dict (as in ``msc_config.yaml``) or the path of
@@ -109,12 +123,9 @@ class ProfileNotFoundError(MSCConfigError, LookupError):
     """An ``msc://`` URI names a profile the MSC configuration does not define."""
 
 
-class StorageNotFoundError(DcpstoreError, OSError):
-    """The bucket / container / base directory behind an MSC profile does not exist.
-
-    Not a ``FileNotFoundError``: a missing bucket is a configuration error, never "this
-    checkpoint does not exist yet", so a save refuses to start.
-    """
+#: The bucket / container behind an MSC profile does not exist: the error every backend
+#: raises for a missing bucket (kept under its old name).
+StorageNotFoundError = BucketNotFoundError
 
 
 # -- configuration and resolution --------------------------------------------------------
@@ -266,7 +277,7 @@ class _SpooledUpload(Upload):
             raise ValueError(f"upload of {self.key!r} is already closed")
         be = self.backend
         try:
-            client, full = be._client(), be._full(self.key)
+            client, full = be.client, be._full(self.key)
             if self._spool is None:
                 be._call(client.write, full, bytes(self._memory), key=self.key)
             else:
@@ -369,43 +380,26 @@ class MSCBackend(Backend):
         else:
             url = f"{uri.scheme}://{uri.location}"
         backend = cls(url, options)
-        backend._client()
+        backend.client  # noqa: B018 (resolve now: a bad profile fails on every rank)
         return backend
 
     def __init__(self, location: str, options: BackendOptions | None = None) -> None:
         super().__init__(location.rstrip("/") or location, options)
         self.profile = ""
         self.root = ""
-        self._msc: Any = None
-        self._resolve_lock = threading.Lock()
+        #: Whether the storage root is known to exist (see :meth:`_storage_missing`).
+        self._storage_exists = False
 
     @property
     def uri(self) -> str:
         return self.location
 
-    def _lazy_attributes(self) -> Sequence[str]:
-        return ("_msc",)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.pop("_resolve_lock", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._resolve_lock = threading.Lock()
-
     # -- resolution --------------------------------------------------------------------
 
-    def _client(self) -> Any:
-        client = self._msc
-        if client is not None:
-            return client
-        with self._resolve_lock:
-            if self._msc is None:
-                install_log_redaction()  # MSC's S3 provider is botocore: same DEBUG logs
-                self._msc, self.profile, self.root = self._resolve()
-            return self._msc
+    def _make_client(self) -> Any:
+        install_log_redaction()  # MSC's S3 provider is botocore: same DEBUG logs
+        client, self.profile, self.root = self._resolve()
+        return client
 
     def _resolve(self) -> tuple[Any, str, str]:
         url = self.location
@@ -456,11 +450,11 @@ class MSCBackend(Backend):
         )
 
     def _full(self, key: str) -> str:
-        self._client()
+        self.client  # noqa: B018 (resolving sets the root)
         return f"{self.root}/{key}" if self.root else key
 
     def _posix_path(self, key: str) -> str | None:
-        client = self._client()
+        client = self.client
         if getattr(client, "_metadata_provider", None) is not None:
             return None
         try:
@@ -476,10 +470,7 @@ class MSCBackend(Backend):
             return _PosixUpload(self, key, path)
         return _SpooledUpload(self, key)
 
-    def _read_into(self, key: str, offset: int, out: memoryview) -> None:
-        self._read_into_scatter(key, offset, [out])
-
-    def _read_into_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         """Fill ``outs`` in order from ``offset``: ``preadv`` on POSIX profiles, otherwise
         consecutive ``read`` requests of at most ``read_chunk`` bytes, each copied into the
         pieces of ``outs`` it spans (no staging buffer for the whole range)."""
@@ -493,7 +484,7 @@ class MSCBackend(Backend):
             return
         from multistorageclient.types import Range
 
-        client, full = self._client(), self._full(key)
+        client, full = self.client, self._full(key)
         chunk = self.options.read_chunk
         piece, filled = 0, 0  # the destination being filled, and how much of it is
         pos, end = offset, offset + total
@@ -502,7 +493,7 @@ class MSCBackend(Backend):
             try:
                 data = client.read(full, byte_range=Range(offset=pos, size=size))
             except Exception as exc:
-                if _status(_chain(exc)) == 416:  # the object ends before ``pos``
+                if _http_status(exc) == 416:  # the object ends before ``pos``
                     raise EOFError(
                         f"{self.location}/{key} ends before byte {pos}, expected {total} "
                         f"bytes from offset {offset} (object truncated?)"
@@ -528,13 +519,13 @@ class MSCBackend(Backend):
 
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
         # object-store PUTs and MSC's POSIX writes (temp file + rename) are atomic
-        self._client().write(self._full(key), bytes(data))
+        self.client.write(self._full(key), bytes(data))
 
     def _get(self, key: str) -> bytes:
-        return bytes(self._client().read(self._full(key)))
+        return bytes(self.client.read(self._full(key)))
 
     def _stat(self, key: str) -> ObjectInfo:
-        meta = self._client().info(self._full(key))
+        meta = self.client.info(self._full(key))
         if getattr(meta, "type", "file") != "file":
             raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", key)
         modified = getattr(meta, "last_modified", None)
@@ -542,7 +533,7 @@ class MSCBackend(Backend):
                           modified.timestamp() if modified is not None else None)
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        client = self._client()
+        client = self.client
         base = self.root.strip("/")
         full_prefix = f"{base}/{prefix}" if base else prefix
         directory = full_prefix.rpartition("/")[0]
@@ -565,47 +556,83 @@ class MSCBackend(Backend):
                              modified.timestamp() if modified is not None else None)
 
     def _delete(self, keys: Sequence[str]) -> None:
-        self._client().delete_many([self._full(k) for k in keys])
+        self.client.delete_many([self._full(k) for k in keys])
 
     # -- errors --------------------------------------------------------------------------
 
-    def _is_retryable(self, exc: BaseException) -> bool:
-        from multistorageclient.types import RetryableError
+    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
+        from multistorageclient.types import PreconditionFailedError, RetryableError
 
-        return isinstance(exc, RetryableError)  # only if max_attempts > 1: MSC retried
-
-    def _translate_error(self, exc: BaseException, key: str | None) -> BaseException | None:
-        if isinstance(exc, DcpstoreError):
-            return None
         where = f"{self.location}/{key}" if key else self.location
         profile = f" (MSC profile {self.profile!r})" if self.profile else ""
-        text = redact(str(exc))  # the client's message, quoted below
-        chain = _chain(exc)
-        code = _s3_code(chain)
-        if code in ("NoSuchBucket",) or _is_missing_container(chain):
-            return StorageNotFoundError(
-                f"the bucket/container behind {self.location}{profile} does not exist: "
-                f"{text}; create it or fix the profile's base_path"
-            )
+        text = redact(str(exc))  # the client's message (request ids included), quoted
         if isinstance(exc, FileNotFoundError):
-            return FileNotFoundError(errno.ENOENT, f"no such object {where}{profile}: {text}")
-        if isinstance(exc, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId",
-                                                        "SignatureDoesNotMatch", "Forbidden"):
-            return PermissionError(errno.EACCES, f"permission denied for {where}{profile}: {text}")
-        if _status(chain) == 416 or isinstance(exc, EOFError):
-            return OSError(f"{where}: byte range past the end of the object: {text}")
-        if any(_is_timeout(e) for e in chain):
-            return StoreTimeoutError(f"request for {where}{profile} timed out: {text}")
-        if any(_is_connection(e) for e in chain):
-            return ConnectionError(
+            if self._storage_missing():
+                return Failure(BucketNotFoundError(
+                    errno.ENOENT,
+                    f"the bucket/container behind {self.location}{profile} does not exist: "
+                    f"{text}; create it or fix the profile's base_path",
+                ))
+            return Failure(FileNotFoundError(
+                errno.ENOENT, f"no such object {where}{profile}: {text}"))
+        if isinstance(exc, PermissionError):
+            return Failure(PermissionError(
+                errno.EACCES, f"permission denied for {where}{profile}: {text}"))
+        if isinstance(exc, PreconditionFailedError):
+            return Failure(FileExistsError(
+                errno.EEXIST, f"precondition failed for {where}{profile}: {text}"))
+        # MSC retried these itself; dcpstore only does when max_attempts > 1
+        retryable = isinstance(exc, RetryableError)
+        if _http_status(exc) == 416:
+            return Failure(OSError(f"{where}: byte range past the end of the object: {text}"))
+        transport = _transport_failure(exc)
+        if transport == "timeout":
+            return Failure(StoreTimeoutError(
+                f"request for {where}{profile} timed out: {text}"), retryable)
+        if transport == "connection":
+            return Failure(ConnectionError(
                 f"cannot reach the storage of {where}{profile}: {text}. Check the profile's "
                 "endpoint and that the server is running"
-            )
-        from multistorageclient.types import RetryableError
-
+            ), retryable)
+        if retryable and _http_status(exc) in (429, 503):
+            return Failure(StoreThrottledError(
+                errno.EAGAIN,
+                f"the storage of {where}{profile} kept throttling requests (HTTP "
+                f"{_http_status(exc)}) through MSC's retries: {text}; lower "
+                "max_concurrency or raise the profile's retry attempts",
+            ), retryable)
         if isinstance(exc, (RetryableError, RuntimeError)):
-            return OSError(f"MSC request for {where}{profile} failed: {text}")
-        return None
+            return Failure(OSError(f"MSC request for {where}{profile} failed: {text}"),
+                           retryable)
+        return Failure(exc)  # raised unchanged, never retried by dcpstore
+
+    def _storage_missing(self) -> bool:
+        """Whether the bucket / container behind the profile is missing.
+
+        MSC raises the same ``FileNotFoundError`` for a missing object and a missing
+        bucket, so the root is listed once: a listing fails (``FileNotFoundError``, or
+        the provider's own HTTP 404) only when the bucket is gone (an empty prefix lists
+        nothing). POSIX profiles have no buckets; once the bucket
+        was seen, it is not checked again.
+        """
+        if self._storage_exists or self._posix_path("x") is not None:
+            return False
+        try:
+            next(iter(self.client.list(path=self._list_root())), None)
+        except Exception as exc:
+            # MSC translates some providers' listing errors, and passes others through
+            if isinstance(exc, FileNotFoundError) or _http_status(exc) == 404:
+                return True
+            # cannot tell (e.g. no list permission): not missing
+            logger.debug("%s: checking the storage root failed: %s", self.location, exc)
+            return False
+        self._storage_exists = True
+        return False
+
+    def _list_root(self) -> str:
+        base = self.root.strip("/")
+        listing = f"{base}/" if base else ""
+        return "/" + listing if self.root.startswith("/") else listing
 
 
 def _byte_view(out: memoryview) -> memoryview:
@@ -619,6 +646,7 @@ def _root(path: str) -> str:
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the provider errors MSC chained to it (``__cause__``/``__context__``)."""
     out: list[BaseException] = []
     cur: BaseException | None = exc
     while cur is not None and cur not in out and len(out) < 10:
@@ -627,42 +655,103 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def _s3_code(chain: list[BaseException]) -> str:
-    for e in chain:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
-    return ""
-
-
-def _status(chain: list[BaseException]) -> int | None:
-    for e in chain:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status:
-                return int(status)
-        if "status_code: 416" in str(e):
-            return 416
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of the provider error behind ``exc``, read from the provider
+    client's own exception types (botocore, MSC's Rust client, google-api-core, Azure)."""
+    for e in _chain(exc):
+        for kind, status in _status_readers():
+            if isinstance(e, kind):
+                value = status(e)
+                if isinstance(value, int) and value:
+                    return value
     return None
 
 
-def _is_missing_container(chain: list[BaseException]) -> bool:
-    text = " ".join(str(e) for e in chain).lower()
-    return ("nosuchbucket" in text or "bucket does not exist" in text
-            or "containernotfound" in text)
+@lru_cache(maxsize=1)
+def _status_readers() -> tuple[tuple[type[BaseException], Any], ...]:
+    readers: list[tuple[type[BaseException], Any]] = []
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import ClientError
+
+        readers.append((ClientError, lambda e: e.response.get("ResponseMetadata", {})
+                        .get("HTTPStatusCode")))
+    with contextlib.suppress(ImportError):
+        from multistorageclient_rust import RustClientError, RustRetryableError
+
+        def rust_status(e: BaseException) -> Any:
+            return e.args[1] if len(e.args) > 1 else None
+
+        readers += [(RustClientError, rust_status), (RustRetryableError, rust_status)]
+    with contextlib.suppress(ImportError):
+        from google.api_core.exceptions import GoogleAPICallError
+
+        readers.append((GoogleAPICallError, lambda e: e.code))
+    with contextlib.suppress(ImportError):
+        from azure.core.exceptions import HttpResponseError
+
+        readers.append((HttpResponseError, lambda e: e.status_code))
+    return tuple(readers)
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    name = type(exc).__name__
-    return isinstance(exc, TimeoutError) or name in (
-        "ConnectTimeoutError", "ReadTimeoutError", "ReadTimeout", "ConnectTimeout")
+def _transport_failure(exc: BaseException) -> str | None:
+    """``"timeout"`` or ``"connection"`` when a request behind ``exc`` timed out or could
+    not connect (the outermost such error in the chain decides), else ``None``."""
+    for e in _chain(exc):
+        if isinstance(e, _connection_types()[:1]):
+            return "connection"  # urllib3's NewConnectionError is also a ConnectTimeoutError
+        if isinstance(e, _timeout_types()):
+            return "timeout"
+        if isinstance(e, _connection_types()):
+            return "connection"
+    return None
 
 
-def _is_connection(exc: BaseException) -> bool:
-    name = type(exc).__name__
-    return isinstance(exc, ConnectionError) or name in (
-        "EndpointConnectionError", "ConnectionClosedError", "NewConnectionError",
-        "ConnectionError", "ProxyConnectionError")
+@lru_cache(maxsize=1)
+def _timeout_types() -> tuple[type[BaseException], ...]:
+    """Timeouts, as the providers' client libraries raise them."""
+    types: list[type[BaseException]] = [TimeoutError]
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+        types += [ConnectTimeoutError, ReadTimeoutError]
+    with contextlib.suppress(ImportError):
+        from urllib3.exceptions import TimeoutError as Urllib3Timeout
+
+        types.append(Urllib3Timeout)  # (NewConnectionError, a subclass, is checked first)
+    with contextlib.suppress(ImportError):
+        from requests.exceptions import Timeout
+
+        types.append(Timeout)
+    return tuple(types)
+
+
+@lru_cache(maxsize=1)
+def _connection_types() -> tuple[type[BaseException], ...]:
+    """Connections refused, reset or dropped, as the providers' client libraries raise
+    them; the first entry is the type that wins over a timeout type it subclasses."""
+    types: list[type[BaseException]] = []
+    try:
+        from urllib3.exceptions import NewConnectionError
+
+        types.append(NewConnectionError)
+    except ImportError:  # pragma: no cover
+        types.append(ConnectionRefusedError)
+    types.append(ConnectionError)
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import ConnectionClosedError
+        from botocore.exceptions import ConnectionError as BotocoreConnectionError
+
+        types += [BotocoreConnectionError, ConnectionClosedError]
+    with contextlib.suppress(ImportError):
+        from urllib3.exceptions import ProtocolError
+
+        types.append(ProtocolError)
+    with contextlib.suppress(ImportError):
+        from requests.exceptions import ConnectionError as RequestsConnectionError
+
+        types.append(RequestsConnectionError)
+    with contextlib.suppress(ImportError):
+        from azure.core.exceptions import ServiceRequestError
+
+        types.append(ServiceRequestError)
+    return tuple(types)

@@ -1,0 +1,264 @@
+"""The generic multipart upload of ``dcpstore.multipart``: pooled part buffers, upload
+slots, aborts and failures, against an in-memory fake backend (no server)."""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
+from dcpstore.multipart import MultipartState, MultipartUpload, PartBuffers
+
+
+class _MemoryMultipart(MultipartUpload):
+    """Parts kept in memory; ``fail_part`` / ``gate`` script a part's request."""
+
+    backend: _MemoryBackend
+
+    def _create(self) -> str:
+        self.backend.creates += 1
+        return f"up{self.backend.creates}"
+
+    def _upload_part(self, upload_id: str, number: int, data: memoryview) -> Any:
+        be = self.backend
+        be.part_objects.append(data.obj)
+        if be.gate is not None:
+            be.gate.wait()
+        if number == be.fail_part:
+            raise OSError(f"part {number} refused")
+        be.parts.setdefault(upload_id, {})[number] = bytes(data)
+        return number
+
+    def _complete(self, upload_id: str, parts: list[tuple[int, Any]]) -> None:
+        chunks = self.backend.parts.pop(upload_id)
+        assert [n for n, _ in parts] == sorted(chunks)
+        self.backend.objects[self.key] = b"".join(chunks[n] for n, _ in parts)
+
+    def _abort_multipart(self, upload_id: str) -> None:
+        self.backend.aborted.append(upload_id)
+        self.backend.parts.pop(upload_id, None)
+
+    def _put_whole(self, data: memoryview) -> None:
+        assert len(data) < self.part_size
+        self.backend.objects[self.key] = bytes(data)
+
+
+class _MemoryBackend(Backend):
+    name = "memory-multipart"
+
+    def __init__(self, location: str = "mem", options: BackendOptions | None = None) -> None:
+        super().__init__(location, options)
+        self.objects: dict[str, bytes] = {}
+        self.parts: dict[str, dict[int, bytes]] = {}
+        self.part_objects: list[Any] = []
+        self.aborted: list[str] = []
+        self.creates = 0
+        self.fail_part: int | None = None
+        self.gate: threading.Event | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(gate=None, part_objects=[])
+        return state
+
+    def _open_upload(self, key: str) -> Upload:
+        return _MemoryMultipart(self, key)
+
+    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        raise NotImplementedError
+
+    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
+        self.objects[key] = data
+
+    def _get(self, key: str) -> bytes:
+        return self.objects[key]
+
+    def _stat(self, key: str) -> ObjectInfo:
+        return ObjectInfo(key, len(self.objects[key]))
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return iter(())
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        pass
+
+
+def _memory_backend(part: int = 1000, concurrency: int = 3) -> _MemoryBackend:
+    return _MemoryBackend(options=BackendOptions(part_size=part, max_concurrency=concurrency,
+                                                 max_attempts=1))
+
+
+def _pool(backend: Backend, part: int = 1000) -> PartBuffers:
+    return PartBuffers.of(backend, part, _MemoryMultipart._allocate_buffer)
+
+
+def _odd_writes(upload: Upload, data: bytes) -> None:
+    sizes = [1, 999, 1001, 7, 2500, 333, 1000, 0, 4093]
+    pos = i = 0
+    while pos < len(data):
+        n = sizes[i % len(sizes)]
+        upload.write(data[pos:pos + n])
+        pos += n
+        i += 1
+
+
+def test_multipart_reuses_part_buffers_and_keeps_bytes_in_order() -> None:
+    backend = _memory_backend()
+    data = secrets.token_bytes(200 * 1000 + 123)  # 201 parts, the last one short
+    upload = backend.open_upload("big")
+    _odd_writes(upload, data)
+    assert upload.commit() == ObjectInfo("big", len(data))
+    assert backend.objects["big"] == data
+    pool = _pool(backend)
+    # 3 parts in flight + the one being filled, however many parts went up
+    assert 0 < pool.allocated <= 3 + 1
+    assert len({id(o) for o in backend.part_objects}) <= pool.allocated
+    assert pool.outstanding == 0 and pool.free == pool.allocated
+    # a second upload of the same backend reuses them: nothing new is allocated
+    upload = backend.open_upload("again")
+    _odd_writes(upload, data[:5000])
+    upload.commit()
+    assert backend.objects["again"] == data[:5000] and pool.allocated <= 4
+
+
+def test_multipart_concurrent_uploads_share_the_pool() -> None:
+    backend = _memory_backend()
+    datas = [secrets.token_bytes(50 * 1000 + i) for i in range(4)]
+    errors: list[BaseException] = []
+
+    def save(i: int) -> None:
+        try:
+            with backend.open_upload(f"f{i}") as upload:
+                _odd_writes(upload, datas[i])
+                upload.commit()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(backend.objects[f"f{i}"] == datas[i] for i in range(4))
+    pool = _pool(backend)
+    assert pool.peak <= 3 + 4  # in flight + one being filled per open upload
+    assert pool.outstanding == 0 and pool.free == min(pool.allocated, 3 + 2)
+
+
+def test_multipart_small_and_empty_objects_are_one_request() -> None:
+    backend = _memory_backend()
+    for key, payload in [("small", b"x" * 999), ("empty", b"")]:
+        upload = backend.open_upload(key)
+        upload.write(payload)
+        assert upload.commit().size == len(payload)
+        assert backend.objects[key] == payload
+    assert backend.creates == 0
+    assert _pool(backend).outstanding == 0
+    # exactly one part: a multipart upload of one full part, nothing left to put
+    upload = backend.open_upload("one")
+    upload.write(b"y" * 1000)
+    upload.commit()
+    assert backend.objects["one"] == b"y" * 1000 and backend.creates == 1
+
+
+def test_multipart_abort_releases_every_buffer_and_slot() -> None:
+    backend = _memory_backend(concurrency=2)
+    backend.gate = threading.Event()
+    upload = backend.open_upload("aborted")
+    upload.write(bytes(2 * 1000 + 10))  # two parts in flight (stuck), a third filling
+    pool = _pool(backend)
+    assert pool.outstanding == 3
+    threading.Timer(0.2, backend.gate.set).start()
+    upload.abort()  # waits for the parts in flight, then aborts the upload
+    assert backend.aborted == ["up1"] and "aborted" not in backend.objects
+    assert pool.outstanding == 0 and pool.free == 3
+    assert MultipartState.of(backend).slots._value == 2
+    upload.abort()  # twice is fine
+    assert pool.outstanding == 0
+
+
+def test_multipart_parts_cancelled_before_they_ran_give_their_buffers_back() -> None:
+    backend = _memory_backend(concurrency=2)
+    release = threading.Event()
+    busy = [backend._executor().submit(release.wait) for _ in range(2)]  # e.g. reads
+    upload = backend.open_upload("queued")
+    upload.write(bytes(2 * 1000))  # two parts queued behind the busy workers
+    pool = _pool(backend)
+    assert pool.outstanding == 2
+    upload.abort()
+    release.set()
+    for fut in busy:
+        fut.result()
+    assert backend.part_objects == []  # never ran
+    assert pool.outstanding == 0 and pool.free == 2
+    assert MultipartState.of(backend).slots._value == 2
+    upload = backend.open_upload("after")  # the slots are all there: no deadlock
+    upload.write(bytes(5 * 1000 + 1))
+    upload.commit()
+    assert backend.objects["after"] == bytes(5 * 1000 + 1)
+
+
+def test_multipart_failed_part_releases_its_buffer_and_surfaces() -> None:
+    import concurrent.futures
+
+    backend = _memory_backend()
+    backend.fail_part = 3
+    upload = backend.open_upload("failing")
+    upload.write(bytes(3 * 1000))
+    assert isinstance(upload, MultipartUpload)
+    concurrent.futures.wait(upload._futures)
+    with pytest.raises(OSError, match="part 3 refused"):
+        upload.write(b"more")
+    with pytest.raises(OSError, match="part 3 refused"):
+        upload.commit()  # aborts
+    pool = _pool(backend)
+    assert backend.aborted == ["up1"] and pool.outstanding == 0
+    assert pool.free == pool.allocated
+
+    backend.fail_part = 2  # the short last part fails: commit raises it
+    upload = backend.open_upload("failing-tail")
+    upload.write(bytes(1500))
+    with pytest.raises(OSError, match="part 2 refused"):
+        upload.commit()
+    assert backend.aborted == ["up1", "up2"] and "failing-tail" not in backend.objects
+    assert pool.outstanding == 0
+
+
+def test_part_buffer_pool_bounds_idle_buffers() -> None:
+    pool = PartBuffers(64, keep=2)
+    bufs = [pool.acquire() for _ in range(5)]
+    assert pool.allocated == 5 and pool.outstanding == 5
+    assert all(len(memoryview(b)) == 64 for b in bufs)
+    for b in bufs:
+        pool.release(b)
+    assert pool.free == 2 and pool.outstanding == 0  # the other three were dropped
+    again = pool.acquire()
+    assert any(again is b for b in bufs) and pool.allocated == 5
+    pool.release(again)
+    with pytest.raises(RuntimeError, match="twice"):
+        pool.release(again)
+
+
+def test_backend_close_drops_part_buffers_and_stays_picklable() -> None:
+    backend = _memory_backend()
+    upload = backend.open_upload("a")
+    upload.write(bytes(4500))
+    upload.commit()
+    old = _pool(backend)
+    assert old.free > 0
+    pickle.loads(pickle.dumps(backend))  # the pool (anonymous maps) is not pickled
+    backend.close()
+    assert MultipartState.peek(backend) is None
+    upload = backend.open_upload("b")  # still usable: a fresh pool
+    upload.write(bytes(2500))
+    upload.commit()
+    assert backend.objects["b"] == bytes(2500)
+    assert _pool(backend) is not old and _pool(backend).outstanding == 0
+    clone = pickle.loads(pickle.dumps(backend))
+    assert MultipartState.peek(clone) is None
