@@ -139,7 +139,7 @@ def run_demo(uri: str | None = None, *, width: int = 512, depth: int = 8, world_
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import dcpstore
-    from dcpstore.api import _single_process_quiet
+    from dcpstore.dist import single_process_quiet
 
     if uri is None:
         uri = os.path.join(tempfile.mkdtemp(prefix="dcpstore-demo-"), f"step-{_STEPS:06d}")
@@ -164,7 +164,7 @@ def run_demo(uri: str | None = None, *, width: int = 512, depth: int = 8, world_
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
     t0 = time.perf_counter()
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.load(state, storage_reader=reader, no_dist=True)
     load_seconds = time.perf_counter() - t0
     set_state_dict(model, optim, model_state_dict=cast(Any, state["model"]),

@@ -1,8 +1,12 @@
-"""Option resolution: keyword > URI query > ``DCPSTORE_<SCHEME>_<OPTION>`` env > default.
+"""Option declarations and resolution.
 
-Options are declared as dataclass fields (the writer's, the reader's and each backend's
-``Options`` class). Values from the query string and the environment arrive as strings
-and are converted to the field's declared type.
+Backend options: keyword > URI query > ``DCPSTORE_<BACKEND>_<OPTION>`` env > default.
+Writer and reader options: keyword > URI query > default (the environment applies to
+backend options only).
+
+Options are declared as dataclass fields (:class:`WriterOptions`, :class:`ReaderOptions`
+and each backend's ``Options`` class). Values from the query string and the environment
+arrive as strings and are converted to the field's declared type.
 """
 
 from __future__ import annotations
@@ -12,9 +16,18 @@ import os
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["coerce", "env_prefix", "option_names", "resolve_options"]
+__all__ = [
+    "ReaderOptions",
+    "WriterOptions",
+    "coerce",
+    "env_prefix",
+    "option_names",
+    "option_values",
+    "resolve_options",
+]
 
 T = TypeVar("T")
 
@@ -22,9 +35,57 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def env_prefix(scheme: str) -> str:
-    """Environment variable prefix for a scheme's options, e.g. ``DCPSTORE_S3_``."""
-    return "DCPSTORE_" + scheme.upper().replace("-", "_") + "_"
+@dataclass
+class WriterOptions:
+    """Options of :class:`~dcpstore.Writer` (backend options are separate).
+
+    Attributes:
+        overwrite: Replace an existing committed checkpoint at the URI (atomically: the
+            old one stays loadable until the new ``.metadata`` lands). When false, an
+            existing checkpoint is refused before any rank writes.
+        files_per_rank: Data files each rank writes, concurrently. Items are spread
+            over them by size; with one file they keep the save plan's order.
+        sharding_guard: Refuse per-rank state saved as plain tensors (see
+            :mod:`dcpstore.guard`).
+    """
+
+    overwrite: bool = False
+    files_per_rank: int = 1
+    sharding_guard: bool = True
+
+
+@dataclass
+class ReaderOptions:
+    """Options of :class:`~dcpstore.Reader` (backend options are separate).
+
+    Attributes:
+        verify: Check every item read against the manifest's CRC32C (when the
+            checkpoint has one; checkpoints written by torch's writers do not).
+        coalesce_gap: Neighbouring ranges of one file closer than this many bytes are
+            fetched as one request.
+        max_range: Upper bound of a coalesced request (a single larger item is fetched
+            whole).
+        allow_pickle: Load non-tensor items with full pickle (can run code). By default
+            they are loaded with ``weights_only`` semantics and anything else is refused.
+        allow_unsafe_metadata: Unpickle ``.metadata`` without restriction (for custom
+            planners that store their own classes in it).
+    """
+
+    verify: bool = True
+    coalesce_gap: int = 1024 * 1024
+    max_range: int = 64 * 1024 * 1024
+    allow_pickle: bool = False
+    allow_unsafe_metadata: bool = False
+
+
+def env_prefix(backend: str) -> str:
+    """Environment variable prefix of a backend's options, e.g. ``DCPSTORE_S3_``.
+
+    Args:
+        backend: The backend's ``name``, not the URI scheme: ``gs://`` and ``gcs://``
+            URIs both read ``DCPSTORE_GS_...``, the GCS backend being named ``gs``.
+    """
+    return "DCPSTORE_" + backend.upper().replace("-", "_") + "_"
 
 
 def option_names(cls: type[Any]) -> set[str]:
@@ -85,6 +146,47 @@ def _parse_int(text: str) -> int:
     return int(t)
 
 
+def option_values(
+    cls: type[Any],
+    *,
+    explicit: Mapping[str, Any],
+    query: Mapping[str, str],
+    environ: Mapping[str, str] | None = None,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """The values given for ``cls``'s fields, converted, highest precedence first.
+
+    Keyword > query > ``environ[prefix + NAME]``; fields given nowhere are left out (the
+    dataclass default applies).
+
+    Args:
+        cls: The options dataclass.
+        explicit: Keyword arguments (only the names this class declares are taken).
+        query: URI query parameters (only the names this class declares are taken).
+        environ: Environment to read; ``None`` or empty reads none.
+        prefix: Environment variable prefix (see :func:`env_prefix`).
+
+    Raises:
+        ValueError: A value cannot be converted to its option's type.
+    """
+    env = environ or {}
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in explicit:
+            raw: Any = explicit[f.name]
+        elif f.name in query:
+            raw = query[f.name]
+        elif prefix + f.name.upper() in env:
+            raw = env[prefix + f.name.upper()]
+        else:
+            continue
+        values[f.name] = coerce(raw, hints[f.name], f.name)
+    return values
+
+
 def resolve_options(
     cls: type[T],
     *,
@@ -97,7 +199,8 @@ def resolve_options(
 
     Args:
         cls: The options dataclass.
-        scheme: Used for the environment prefix ``DCPSTORE_<SCHEME>_``.
+        scheme: The backend's name, used for the environment prefix
+            ``DCPSTORE_<BACKEND>_``.
         explicit: Keyword arguments (only the names this class declares are taken).
         query: URI query parameters (only the names this class declares are taken).
         environ: Environment to read (defaults to ``os.environ``).
@@ -106,19 +209,6 @@ def resolve_options(
         ValueError: A value cannot be converted to its option's type.
     """
     env = os.environ if environ is None else environ
-    prefix = env_prefix(scheme)
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init:
-            continue
-        if f.name in explicit:
-            raw: Any = explicit[f.name]
-        elif f.name in query:
-            raw = query[f.name]
-        elif prefix + f.name.upper() in env:
-            raw = env[prefix + f.name.upper()]
-        else:
-            continue
-        values[f.name] = coerce(raw, hints[f.name], f.name)
+    values = option_values(cls, explicit=explicit, query=query, environ=env,
+                           prefix=env_prefix(scheme))
     return cls(**values)

@@ -29,9 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from .api import _distributed, _single_process_quiet, get_reader, open_backend
+from .api import get_reader
+from .dist import is_distributed, single_process_quiet
 from .errors import CheckpointMismatchError, DcpstoreError
 from .reader import Reader
+from .resolve import open_backend
 from .uri import parse_uri
 
 __all__ = ["export", "load_model_weights", "read_metadata"]
@@ -114,10 +116,10 @@ def load_model_weights(model: nn.Module, uri: str, *, strict: bool = True,
             prefix = max(_MODEL_PREFIXES, key=lambda p: sum(p + k in saved for k in keys))
             keys = [k for k in keys if prefix + k in saved]
         flat = {prefix + k: target[k] for k in keys}
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.load(flat, storage_reader=reader,
                      planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=not _distributed())
+                     no_dist=not is_distributed())
     set_model_state_dict(model, {k: flat[prefix + k] for k in keys},
                          options=StateDictOptions(strict=strict))
 
@@ -145,7 +147,7 @@ def _batches(items: list[tuple[str, TensorStorageMetadata]],
 def _load_full(reader: Reader, batch: list[tuple[str, TensorStorageMetadata]]
                ) -> dict[str, torch.Tensor]:
     out = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in batch}
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.load(out, storage_reader=reader,
                  planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     return out
@@ -189,7 +191,7 @@ def _export(reader: Reader, uri: str, dest_dir: str, name: str, format: str,
             others = [k for k in metadata.state_dict_metadata if k not in state]
             if others:
                 objs: dict[str, Any] = dict.fromkeys(others)
-                with _single_process_quiet():
+                with single_process_quiet():
                     dcp.load(objs, storage_reader=reader,
                              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
                 state.update(objs)

@@ -47,6 +47,8 @@ from .codec import encode_tensor
 from .errors import CheckpointExistsError, DcpstoreError
 from .guard import LocalPlanSummary, check_global_plan, summarize_local_plan
 from .manifest import FileRecord, Manifest, Payload
+from .options import WriterOptions
+from .resolve import open_backend
 from .safe_pickle import safe_loads
 
 __all__ = ["Writer", "WriterOptions"]
@@ -63,25 +65,6 @@ PAYLOAD_BLOCK = 1024 * 1024
 # Writes at least this large are checksummed once and combined into the item and file
 # CRCs; smaller ones (archive headers) are cheaper to checksum twice than to combine.
 _COMBINE_MIN = 64 * 1024
-
-
-@dataclass
-class WriterOptions:
-    """Options of :class:`Writer` (backend options are separate).
-
-    Attributes:
-        overwrite: Replace an existing committed checkpoint at the URI (atomically: the
-            old one stays loadable until the new ``.metadata`` lands). When false, an
-            existing checkpoint is refused before any rank writes.
-        files_per_rank: Data files each rank writes, concurrently. Items are spread
-            over them by size.
-        sharding_guard: Refuse per-rank state saved as plain tensors (see
-            :mod:`dcpstore.guard`).
-    """
-
-    overwrite: bool = False
-    files_per_rank: int = 1
-    sharding_guard: bool = True
 
 
 @dataclass
@@ -169,7 +152,10 @@ def _item_nbytes(item: WriteItem) -> int:
 
 def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Spread items over ``bins`` files: byte items round-robin, tensors largest-first
-    into the emptiest file. Empty bins are dropped."""
+    into the emptiest file. Empty bins are dropped. One file keeps the save plan's order
+    (as torch's ``FileSystemWriter`` does), so neighbouring keys stay neighbours."""
+    if bins <= 1:
+        return [list(items)] if items else []
     buckets: list[list[WriteItem]] = [[] for _ in range(max(1, bins))]
     sizes = [0] * len(buckets)
     byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
@@ -227,7 +213,6 @@ class Writer(StorageWriter):
         self.rank = 0
         self.save_id = layout.new_save_id()
         self._previous: Metadata | None = None
-        self._written: list[str] = []
         # the .metadata this save sent, once its PUT was attempted (see discard)
         self._commit_bytes: bytes | None = None
 
@@ -241,8 +226,6 @@ class Writer(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        from .api import open_backend
-
         try:
             open_backend(str(checkpoint_id))
         except Exception:
@@ -261,7 +244,6 @@ class Writer(StorageWriter):
             self.backend = self._rebind(str(checkpoint_id))
         self.save_id = layout.new_save_id()
         self._previous = None
-        self._written = []
         self._commit_bytes = None
 
     def storage_meta(self) -> StorageMeta | None:
@@ -409,9 +391,7 @@ class Writer(StorageWriter):
         if self.backend.exists(layout.METADATA_KEY):
             return False
         # nothing else there: leave no empty directory behind on local disk
-        remove = getattr(self.backend, "remove_empty_dirs", None)
-        if remove is not None:
-            remove()
+        self.backend.remove_empty_dirs()
         return False
 
     # -- internals ---------------------------------------------------------------------
@@ -437,8 +417,8 @@ class Writer(StorageWriter):
             return
         if not self.options.overwrite:
             raise CheckpointExistsError(
-                f"a checkpoint already exists at {self.backend.uri}; pass overwrite=True to "
-                "replace it (atomically), or save to a new location"
+                f"Checkpoint already exists at {self.backend.uri} and overwrite=False; pass "
+                "overwrite=True to replace it (atomically), or save to a new location"
             )
         try:
             previous = safe_loads(raw, source=f"{self.backend.uri}/.metadata")

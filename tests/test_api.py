@@ -13,6 +13,7 @@ import dcpstore
 from dcpstore import registry
 from dcpstore.local import LocalBackend, LocalOptions
 from dcpstore.options import resolve_options
+from dcpstore.resolve import resolve
 from dcpstore.safe_pickle import safe_loads
 from dcpstore.uri import parse_uri, validate_key
 
@@ -251,3 +252,77 @@ def test_repr_has_no_options_secrets(tmp_path: Path) -> None:
     w = dcpstore.get_writer(tmp_path / "c")
     assert repr(w) == f"Writer({str(tmp_path / 'c')!r}, overwrite=False)"
     assert "Reader(" in repr(dcpstore.get_reader(tmp_path / "c"))
+
+
+def test_resolve_parses_once_and_splits_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCPSTORE_FILE_FSYNC", "0")
+    monkeypatch.setenv("DCPSTORE_FILE_FILES_PER_RANK", "5")  # env is for backend options only
+    resolved = resolve(f"file://{tmp_path}/c?verify=false&max_concurrency=3",
+                       role="checkpointer", overwrite=True, part_size="1MiB")
+    assert resolved.backend_cls is LocalBackend
+    assert resolved.uri.location == str(tmp_path / "c")
+    assert resolved.writer_options == {"overwrite": True}
+    assert resolved.reader_options == {"verify": False}
+    assert resolved.backend_kwargs == {"part_size": "1MiB"}
+    opts = resolved.backend_options
+    assert (opts.max_concurrency, opts.part_size, opts.fsync) == (3, 1 << 20, False)
+    assert resolved.writer() == dcpstore.WriterOptions(overwrite=True)
+    backend = resolved.open_backend()
+    assert type(backend) is LocalBackend and backend.options == opts
+    other = resolved.rebind(tmp_path / "d")
+    assert other.location == str(tmp_path / "d") and other.options.part_size == 1 << 20
+    # a bare backend takes backend options only and ignores a writer's query options
+    with pytest.raises(TypeError, match="unknown option.*overwrite.*for backend 'file'"):
+        resolve(tmp_path, overwrite=True)
+    assert resolve(f"file://{tmp_path}?overwrite=1").writer_options == {}
+    with pytest.raises(TypeError, match="unknown option.*verify.*valid options"):
+        dcpstore.get_writer(tmp_path, verify=False)
+    with pytest.raises(TypeError, match="unknown URI query option.*overwrite"):
+        dcpstore.get_reader(f"file://{tmp_path}?overwrite=1")
+
+
+def test_nothing_below_the_api_imports_it() -> None:
+    """The API sits on top: only the modules above it import ``dcpstore.api``."""
+    import ast
+
+    root = Path(dcpstore.__file__).parent
+    above = {"__init__.py", "checkpointer.py", "cli.py", "demo.py", "weights.py"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "integrations" or str(rel) in above:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                (node.level and node.module == "api") or node.module == "dcpstore.api"
+                or (node.level and node.module is None
+                    and any(a.name == "api" for a in node.names))
+            ):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []
+
+
+def test_one_file_per_rank_keeps_plan_order(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    def item_order(path: Path) -> list[str]:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        assert len({info.relative_path for info in storage.values()}) == 1
+        return [index.fqn for index, _ in sorted(storage.items(), key=lambda kv: kv[1].offset)]
+
+    state = {"small": torch.ones(2), "big": torch.randn(4096), "extra": {"note": "x"},
+             "mid": torch.randn(300), "tail": torch.zeros(1)}
+    dcpstore.save(state, tmp_path / "ours")
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "torch")), no_dist=True)
+    assert item_order(tmp_path / "ours") == item_order(tmp_path / "torch")
+    tensors = [k for k in item_order(tmp_path / "ours") if k in state]
+    assert tensors == ["small", "big", "mid", "tail"]  # the plan's order, not by size
+
+
+def test_existing_checkpoint_message_matches_torch(tmp_path: Path) -> None:
+    dcpstore.save({"w": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(dcpstore.CheckpointExistsError, match="Checkpoint already exists"):
+        dcpstore.save({"w": torch.ones(2)}, tmp_path / "c")

@@ -142,3 +142,40 @@ def test_bad_uri_and_missing_checkpoint_are_one_line(tmp_path: Path) -> None:
         assert proc.stderr.startswith("dcpstore: error:") and "Traceback" not in proc.stderr
     debug = run_cli("--debug", "inspect", str(tmp_path / "none"), check=False)
     assert "Traceback" in debug.stderr
+
+
+def test_closed_stdout_pipe_ends_quietly(run_root: Path) -> None:
+    """``dcpstore inspect URI | head``: no BrokenPipeError, exit 141 like a Unix tool."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dcpstore", "inspect", str(run_root / "step-000000002")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert err == ""
+
+
+def test_shell_pipe_into_head(run_root: Path) -> None:
+    ckpt = dcpstore.Checkpointer(str(run_root))
+    ckpt.save(9, {f"key{i:05d}": torch.ones(1) for i in range(3000)})  # > a pipe buffer
+    cmd = (f"{sys.executable} -m dcpstore inspect {run_root / 'step-000000009'} | head -n 2; "
+           "exit ${PIPESTATUS[0]}")
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.splitlines()[0].startswith("checkpoint")
+    assert len(proc.stdout.splitlines()) == 2
+    assert "Error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141
+
+
+def test_json_has_no_progress_bar_unless_asked(run_root: Path) -> None:
+    ckpt = str(run_root / "step-000000001")
+    quiet = run_cli("verify", ckpt, "--json")
+    assert json.loads(quiet.stdout)["ok"] is True
+    assert quiet.stderr == ""
+    asked = run_cli("--json", "verify", ckpt, "--progress")
+    assert json.loads(asked.stdout)["ok"] is True
+    assert "verify" in asked.stderr and "B/s" in asked.stderr
+    hidden = run_cli("verify", ckpt, "--no-progress")
+    assert hidden.stdout.startswith("OK:") and hidden.stderr == ""

@@ -208,3 +208,20 @@ def test_weights_helpers_close_their_readers(tmp_path: Path,
     # read_metadata: 1 reader; load_model_weights: 1; export: 1 reader + the output
     assert len(opened) == 4
     assert all(any(b is c for c in closed) for b in opened)
+
+
+def test_checkpointer_splits_writer_reader_and_backend_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(TypeError, match=r"Checkpointer\(.*unknown option.*bogus"):
+        dcpstore.Checkpointer(str(tmp_path), bogus=1)
+    monkeypatch.setenv("DCPSTORE_FILE_FILES_PER_RANK", "4")  # not a backend option: ignored
+    ckpt = dcpstore.Checkpointer(str(tmp_path), files_per_rank=2, verify=True,
+                                 max_concurrency=2, fsync=False)
+    assert ckpt._root.options.max_concurrency == 2 and ckpt._root.options.fsync is False
+    state = {"a": torch.randn(64), "b": torch.randn(64), "c": torch.randn(8)}
+    ckpt.save(1, state)
+    assert len(list((tmp_path / "step-000000001").glob("*.distcp"))) == 2
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ckpt.load(out) == 1
+    assert_state_equal(out, state)
