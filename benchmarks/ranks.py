@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from dcpstore.testing.servers import free_port
+
 from .workload import RankState, WorkloadSpec
 
 if TYPE_CHECKING:
@@ -304,14 +306,6 @@ def _worker(rank: int, world_size: int, port: int, conn: mpc.Connection,
     os._exit(0)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RankPool:
     """``world_size`` spawned rank processes running :class:`Job` s.
 
@@ -330,7 +324,7 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()

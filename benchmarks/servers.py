@@ -5,8 +5,8 @@
 - ``moto``: moto's S3 server (in memory, slow: runs a smaller state by default);
 - ``gcs``: fake-gcs-server (its ``memory`` backend: every object is held in RAM).
 
-The servers are the test suite's own (``tests/servers.py``, ``tests/gcs_server.py``),
-bound to 127.0.0.1 on free ports. With request counting on, each server also gets a
+The servers are the test suite's own (:mod:`dcpstore.testing.servers`), bound to
+127.0.0.1 on free ports. With request counting on, each server also gets a
 :class:`dcpstore.testing.FaultProxy` with no faults in front of it, used only by the
 untimed counting runs. Every client gets the server's credentials the same way: the
 ``AWS_*`` environment variables of :meth:`S3Server.env` (endpoints are passed to each
@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import urllib.parse
 import urllib.request
@@ -27,13 +26,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dcpstore.testing.servers import S3Server, fake_gcs_server, moto_server, seaweedfs_server
+
 __all__ = ["BUCKET", "STORE_KINDS", "StoreInfo", "Stores"]
 
 logger = logging.getLogger(__name__)
-
-_TESTS = Path(__file__).resolve().parent.parent / "tests"
-if str(_TESTS) not in sys.path:
-    sys.path.insert(0, str(_TESTS))
 
 #: Bucket every server store uses.
 BUCKET = "dcpstore-bench"
@@ -132,8 +129,7 @@ class Stores:
                 os.makedirs(root, exist_ok=True)
                 self.info[name] = StoreInfo(name, kind, os.path.abspath(root))
             elif kind == "s3":
-                from servers import moto_server, seaweedfs_server
-
+                server: S3Server
                 if name == "seaweedfs":
                     server = self._stack.enter_context(seaweedfs_server(bucket=BUCKET))
                 else:
@@ -151,8 +147,6 @@ class Stores:
                     msc_profile_counted=profile + "-counted" if proxy else None,
                     proxy_url=proxy)
             elif kind == "gcs":
-                from gcs_server import fake_gcs_server
-
                 gcs = self._stack.enter_context(fake_gcs_server())
                 gcs.create_bucket(BUCKET)
                 self._servers[name] = gcs

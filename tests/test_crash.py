@@ -32,22 +32,19 @@ import random
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import S3_TEST_BUCKET
 from crash_workers import (
     CrashPlan,
-    LaunchResult,
-    Store,
     as_dict,
     crash_save,
     empty_state,
     full_state,
-    run_killable,
 )
+from mp import LaunchResult, run_killable
+from stores import Store, build_store, full_requested
 
 import dcpstore
 from dcpstore import layout, ops
@@ -72,47 +69,30 @@ _S3_EVENTS = ["part:before", "part:after"]
 _LOCAL_EVENTS = ["rename:metadata:before", "rename:metadata:after"]
 
 
-def _full(config: pytest.Config) -> bool:
-    # the same switch as conftest's ``full_run`` fixture (needed at collection time)
-    return bool(config.getoption("--full")) or os.environ.get(
-        "DCPSTORE_TEST_FULL", "") not in ("", "0")
+#: Small parts, so a data file is a multipart upload with parts to crash between.
+STORE_OPTIONS = {"s3": {"part_size": 5 * MiB}}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One test per (store, seed): 7 seeds per store by default, many with ``--full``."""
+    """One test per (store, seed): 7 seeds per store by default, many with ``--full``.
+
+    Local and S3 stores only: the crash points include their own steps (the local
+    ``.metadata`` rename, S3 multipart parts), which GCS and MSC do not have.
+    """
     if "crash_seed" not in metafunc.fixturenames:
         return
-    full = _full(metafunc.config)
+    full = full_requested(metafunc.config)
     stores = ["local", "seaweedfs", *(["moto"] if full else [])]
     params = [(s, n) for s in stores for n in range(FULL_SEEDS[s] if full else QUICK_SEEDS)]
     metafunc.parametrize(("store_name", "crash_seed"), params,
                          ids=[f"{s}-seed{n}" for s, n in params])
 
 
-@pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No real AWS configuration or dcpstore environment options reach these tests."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_")) and name != "DCPSTORE_CRASH_REPORT":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-
-
 @pytest.fixture
 def store(store_name: str, request: pytest.FixtureRequest, tmp_path: Path,
-          monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """The store of this test, with its credentials in the environment."""
-    if store_name == "local":
-        yield Store("local", str(tmp_path / "ckpt"), {}, {})
-        return
-    server = request.getfixturevalue(f"{store_name}_s3")
-    env = server.env()
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    yield Store(store_name, f"s3://{S3_TEST_BUCKET}/crash/{uuid.uuid4().hex[:12]}",
-                {"endpoint_url": server.endpoint_url, "part_size": 5 * MiB}, env, server)
+          monkeypatch: pytest.MonkeyPatch) -> Store:
+    """The store of this (store, seed) case, built like conftest's ``store``."""
+    return build_store(store_name, request, tmp_path, monkeypatch)
 
 
 # -- plans --------------------------------------------------------------------------------
@@ -246,8 +226,8 @@ def _check_checkpointer(store: Store, plan: CrashPlan, allowed: set[str], cli: b
     assert store.uploads(root) == []
     for step in steps:
         _verify(store, f"{root}/{step_dir(step)}")
-    for step in {2, steps[-1]}:  # the previous checkpoint and the latest still load
-        _assert_loads(store, f"{root}/{step_dir(step)}", step)
+    for kept in {2, int(steps[-1])}:  # the previous checkpoint and the latest still load
+        _assert_loads(store, f"{root}/{step_dir(kept)}", kept)
     assert ops.gc(root, min_age=0, **store.options).objects == []
     return {"outcome": outcome, "steps": steps, "leftover_dirs": sorted(leftovers),
             "gc_removed": removed, "gc_aborted": aborted, "uploads_before": uploads_before}

@@ -32,22 +32,20 @@ import http.client
 import http.server
 import json
 import logging
-import os
 import random
 import socket
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import GCS_TEST_BUCKET, S3_TEST_BUCKET
 from mp import run_ranks
+from stores import Store, make_store
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -62,6 +60,7 @@ from dcpstore.testing import (
     classify,
     many_dtypes_state,
 )
+from dcpstore.testing.servers import isolate_env
 
 logger = logging.getLogger(__name__)
 
@@ -73,58 +72,38 @@ ATTEMPTS = 8
 RATE = 0.1
 ALL_KINDS = ("503", "500", "reset", "truncate", "delay")
 
-assert S3_TEST_BUCKET == GCS_TEST_BUCKET
-BUCKET = S3_TEST_BUCKET
 
 
 # -- stores behind the proxy --------------------------------------------------------------
 
 
-@dataclass
-class Store:
-    """One store stand-in: how to name a checkpoint and configure a backend for it."""
-
-    name: str
-    scheme: str
-    upstream: str
-
-    def uri(self, tag: str) -> str:
-        return f"{self.scheme}://{BUCKET}/faults/{tag}-{uuid.uuid4().hex[:10]}"
-
-    def options(self, proxy: FaultProxy, **extra: Any) -> dict[str, Any]:
-        """Backend options aimed at ``proxy``: small parts, short timeouts, fast retries."""
-        opts: dict[str, Any] = {
-            "endpoint_url": proxy.endpoint_url, "timeout": TIMEOUT, "connect_timeout": TIMEOUT,
-            "max_attempts": ATTEMPTS, "retry_backoff": 0.05, "retry_backoff_max": 0.5,
-            "max_concurrency": 4,
-        }
-        if self.scheme == "s3":
-            opts.update(part_size=5 * MiB, addressing_style="path")
-        else:
-            opts.update(part_size=256 * KiB, token="anon")
-        opts.update(extra)
-        return opts
+def _via(store: Store, proxy: FaultProxy, **extra: Any) -> dict[str, Any]:
+    """Backend options aimed at ``proxy``: small parts, short timeouts, fast retries
+    (dcpstore's: on MSC, its own retry layer is set to one attempt, so the attempts the
+    tests count are ``max_attempts``)."""
+    opts: dict[str, Any] = {
+        **store.via(proxy.endpoint_url, msc_retry_attempts=1).options, "timeout": TIMEOUT,
+        "max_attempts": ATTEMPTS, "retry_backoff": 0.05, "retry_backoff_max": 0.5,
+        "max_concurrency": 4,
+    }
+    if store.kind == "s3":
+        opts.update(part_size=5 * MiB, addressing_style="path", connect_timeout=TIMEOUT)
+    elif store.kind == "gcs":
+        opts.update(part_size=256 * KiB, connect_timeout=TIMEOUT)
+    else:  # msc: its S3 profile sets the client's connect timeout
+        opts.update(part_size=5 * MiB)
+    opts.update(extra)
+    return opts
 
 
-def _use_s3(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server's credentials and nothing of the developer's AWS configuration (the
-    environment is inherited by spawned ranks)."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_")):
-            monkeypatch.delenv(name)
-    for name, value in server.env().items():
-        monkeypatch.setenv(name, value)
+def _upstream(store: Store) -> str:
+    assert store.upstream is not None, f"the {store.name} store has no HTTP endpoint"
+    return store.upstream
 
 
-@pytest.fixture(params=["seaweedfs", "moto", "gcs"])
-def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Store:
-    """Each store stand-in in turn."""
-    if request.param == "gcs":
-        server = request.getfixturevalue("gcs_server")
-        return Store("gcs", "gs", server.endpoint_url)
-    server = request.getfixturevalue(f"{request.param}_s3")
-    _use_s3(server, monkeypatch)
-    return Store(request.param, "s3", server.endpoint_url)
+#: The FaultProxy sits in front of an HTTP endpoint, which the local store lacks.
+HTTP_STORES = pytest.mark.parametrize("store", ["seaweedfs", "moto", "gcs", "msc"],
+                                      indirect=True)
 
 
 def _seeds(count: int, rate: float, start: int = 0) -> list[int]:
@@ -529,14 +508,15 @@ def test_stop_is_prompt_with_stalled_connections(origin: tuple[str, type[_Origin
 # -- saves and loads under random faults --------------------------------------------------
 
 
+@HTTP_STORES
 def test_single_process_save_load_under_faults(store: Store, full_run: bool) -> None:
     """~10% of requests faulted (every kind): every save and load completes, bit-exact."""
     seeds = _seeds(6 if full_run else 1, RATE)
     total = Counter[str]()
     for seed in seeds:
-        with FaultProxy(store.upstream, FaultPlan(rate=RATE, kinds=ALL_KINDS), seed=seed
+        with FaultProxy(_upstream(store), FaultPlan(rate=RATE, kinds=ALL_KINDS), seed=seed
                         ) as proxy:
-            opts = store.options(proxy)
+            opts = _via(store, proxy)
             uri = store.uri(f"sp{seed}")
             state = _state(seed, (6 if full_run else 3) * MiB // 2)
             dcpstore.save(state, uri, **opts)
@@ -604,14 +584,16 @@ def _rank_save_load(rank: int, world_size: int, jobs: list[tuple[str, dict[str, 
 
 
 @pytest.fixture
-def all_stores(seaweedfs_s3: Any, moto_s3: Any, gcs_server: Any,
+def all_stores(seaweedfs_s3: Any, moto_s3: Any, gcs_server: Any, tmp_path: Path,
                monkeypatch: pytest.MonkeyPatch) -> list[Store]:
-    """The three stand-ins at once (for one set of spawned ranks). The environment holds
-    SeaweedFS's credentials; moto accepts any."""
-    _use_s3(seaweedfs_s3, monkeypatch)
-    return [Store("seaweedfs", "s3", seaweedfs_s3.endpoint_url),
-            Store("moto", "s3", moto_s3.endpoint_url),
-            Store("gcs", "gs", gcs_server.endpoint_url)]
+    """Three stand-ins at once (for one set of spawned ranks: each store costs a
+    multi-rank save, so the S3 and GCS clients are covered and MSC, an S3 client too,
+    runs in the single-process tests). The environment holds SeaweedFS's credentials;
+    moto accepts any."""
+    servers = {"seaweedfs": seaweedfs_s3, "moto": moto_s3, "gcs": gcs_server}
+    stores = [make_store(name, "faults", tmp_path, servers, None) for name in servers]
+    isolate_env(monkeypatch, extra={**stores[2].env, **stores[0].env})
+    return stores
 
 
 @pytest.mark.multiprocess
@@ -625,14 +607,14 @@ def test_two_rank_save_load_under_faults(all_stores: list[Store], full_run: bool
         for i, seed in enumerate(seeds):
             store = all_stores[i % len(all_stores)]
             proxy = stack.enter_context(
-                FaultProxy(store.upstream, FaultPlan(rate=RATE, kinds=ALL_KINDS), seed=seed))
+                FaultProxy(_upstream(store), FaultPlan(rate=RATE, kinds=ALL_KINDS), seed=seed))
             runs.append((store, proxy, store.uri(f"mr{seed}"), seed))
-        jobs = [(uri, store.options(proxy), seed) for store, proxy, uri, seed in runs]
+        jobs = [(uri, _via(store, proxy), seed) for store, proxy, uri, seed in runs]
         results = run_ranks(_rank_save_load, 2, jobs, 3072 if full_run else 1536,
                             timeout=120 * len(jobs))
         assert results == [[None] * len(jobs)] * 2
         for store, proxy, uri, seed in runs:
-            assert verify_checkpoint(uri, **store.options(proxy)).ok
+            assert verify_checkpoint(uri, **_via(store, proxy)).ok
             assert proxy.stats.total_faults > 0
             _report("two_rank", store.name, proxy, seed=seed)
 
@@ -685,10 +667,10 @@ def test_stalled_store_fails_every_rank_in_bounded_time(all_stores: list[Store],
         runs = []
         for name, what in cases:
             plan = FaultPlan(stall=True, match=None if what == "everything" else _is_data_upload)
-            proxy = stack.enter_context(FaultProxy(stores[name].upstream, plan))
+            proxy = stack.enter_context(FaultProxy(_upstream(stores[name]), plan))
             runs.append((stores[name], what, proxy, stores[name].uri(f"stall-{what}")))
-        jobs = [(uri, store.options(proxy, timeout=STALL_TIMEOUT, connect_timeout=STALL_TIMEOUT,
-                                    max_attempts=STALL_ATTEMPTS))
+        jobs = [(uri, _via(store, proxy, timeout=STALL_TIMEOUT, connect_timeout=STALL_TIMEOUT,
+                          max_attempts=STALL_ATTEMPTS))
                 for store, _, proxy, uri in runs]
         results = run_ranks(_rank_save_expect_failure, 2, jobs,
                             timeout=len(jobs) * bound + 60)
@@ -703,7 +685,7 @@ def test_stalled_store_fails_every_rank_in_bounded_time(all_stores: list[Store],
                 f"{per_rank[i]['elapsed']:.1f}s" for per_rank in results))
             proxy.plan = FaultPlan()
             with pytest.raises(FileNotFoundError):  # nothing was committed
-                dcpstore.load({"replicated": torch.zeros(10)}, uri, **store.options(proxy))
+                dcpstore.load({"replicated": torch.zeros(10)}, uri, **_via(store, proxy))
 
 
 # -- faults at the commit step ------------------------------------------------------------
@@ -725,6 +707,7 @@ def _is_commit_request(info: RequestInfo) -> bool:
     return info.method == "POST" and info.path.endswith("/compose")  # GCS compose
 
 
+@HTTP_STORES
 def test_commit_faults_while_overwriting_never_mix(store: Store, full_run: bool) -> None:
     """Faults on the commit requests of an overwrite: the new checkpoint or the previous
     one loads bit-exact (and verifies) afterwards, never a mix or a partial one."""
@@ -732,14 +715,14 @@ def test_commit_faults_while_overwriting_never_mix(store: Store, full_run: bool)
     uri = store.uri("commit")
     outcomes: Counter[str] = Counter()
     commit_faults: Counter[str] = Counter()
-    with FaultProxy(store.upstream) as clean:
+    with FaultProxy(_upstream(store)) as clean:
         current = _state(1000)
-        dcpstore.save(current, uri, **store.options(clean))
+        dcpstore.save(current, uri, **_via(store, clean))
     for seed in seeds:
         new = _state(seed)
         plan = FaultPlan(rate=0.6, kinds=COMMIT_KINDS, match=_is_commit_request)
-        with FaultProxy(store.upstream, plan, seed=seed) as proxy:
-            opts = store.options(proxy, max_attempts=3)
+        with FaultProxy(_upstream(store), plan, seed=seed) as proxy:
+            opts = _via(store, proxy, max_attempts=3)
             try:
                 dcpstore.save(new, uri, overwrite=True, **opts)
                 error: BaseException | None = None
@@ -777,6 +760,7 @@ def _is_get(info: RequestInfo) -> bool:
     return info.kind == "GET"
 
 
+@HTTP_STORES
 def test_truncated_reads_are_retried_never_short(store: Store) -> None:
     """Truncated ranged and whole-object GETs: retried, exact; when every attempt is cut,
     an error, never short data."""
@@ -784,9 +768,9 @@ def test_truncated_reads_are_retried_never_short(store: Store) -> None:
     ranges = [ReadRange("blob", off, n) for off, n in
               [(0, 1), (0, MiB), (5, 300_000), (MiB - 3, MiB + 20), (3 * MiB, 17),
                (2 * MiB, MiB + 17), (12_345, 777_777)]]
-    with FaultProxy(store.upstream) as proxy:
+    with FaultProxy(_upstream(store)) as proxy:
         uri = store.uri("reads")
-        backend = dcpstore.open_backend(uri, **store.options(proxy))
+        backend = dcpstore.open_backend(uri, **_via(store, proxy))
         backend.put("blob", data)
         seed_plan = FaultPlan(rate=0.5, kinds=("truncate",), match=_is_get)
         proxy.plan = seed_plan
@@ -812,12 +796,12 @@ def test_truncated_reads_are_retried_never_short(store: Store) -> None:
         proxy.plan = FaultPlan()
         state = _state(7)
         ckpt = store.uri("reads-ckpt")
-        dcpstore.save(state, ckpt, **store.options(proxy))
+        dcpstore.save(state, ckpt, **_via(store, proxy))
         proxy.reset_stats()
         proxy.plan = FaultPlan(rate=0.34, kinds=("truncate",), match=_is_get)
         for _ in range(3):
             loaded = _zeros_like(state)
-            dcpstore.load(loaded, ckpt, **store.options(proxy))
+            dcpstore.load(loaded, ckpt, **_via(store, proxy))
             assert_state_equal(loaded, state)
         _report("truncated_reads", store.name, proxy, backend_level_truncations=truncated,
                 every_attempt_truncated=exhausted)
@@ -828,6 +812,7 @@ def _is_metadata_put(info: RequestInfo) -> bool:
     return info.method in ("PUT", "POST") and info.object_name.endswith("/.metadata")
 
 
+@HTTP_STORES
 @pytest.mark.parametrize("readback", ["works", "fails"])
 def test_commit_that_landed_but_every_answer_was_lost(store: Store, readback: str) -> None:
     """Every ``.metadata`` PUT reaches the store but its answer is cut. The writer reads
@@ -837,8 +822,8 @@ def test_commit_that_landed_but_every_answer_was_lost(store: Store, readback: st
     previous checkpoint both), and the new checkpoint loads."""
     uri = store.uri("landed")
     old = _state(1)
-    with FaultProxy(store.upstream) as clean:
-        dcpstore.save(old, uri, **store.options(clean))
+    with FaultProxy(_upstream(store)) as clean:
+        dcpstore.save(old, uri, **_via(store, clean))
     new = _state(2)
     put_seen = threading.Event()
 
@@ -850,8 +835,8 @@ def test_commit_that_landed_but_every_answer_was_lost(store: Store, readback: st
                 and info.object_name.endswith("/.metadata"))
 
     plan = FaultPlan(rate=1.0, kinds=("truncate",), match=match)
-    with FaultProxy(store.upstream, plan) as proxy:
-        opts = store.options(proxy, max_attempts=3)
+    with FaultProxy(_upstream(store), plan) as proxy:
+        opts = _via(store, proxy, max_attempts=3)
         try:
             dcpstore.save(new, uri, overwrite=True, **opts)
             error: BaseException | None = None

@@ -31,18 +31,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import S3_TEST_BUCKET
 from crash_workers import (
     AMBIGUOUS_FAULT,
     FAULTS,
-    Store,
     concurrent_save,
     contrast_overwrite,
     empty_state,
@@ -50,46 +46,28 @@ from crash_workers import (
     jitter_patches,
     load_with_torch,
     overwrite_with_faults,
-    run_killable,
     set_jitter,
     shard_rows,
 )
+from mp import run_killable
+from stores import Store
 
 import dcpstore
 from dcpstore import layout, ops
 from dcpstore.testing import assert_state_equal
-
-pytestmark = pytest.mark.multiprocess
 
 logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
 
-@pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No real AWS configuration or dcpstore environment options reach these tests."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+#: Small parts: a data file is a multipart upload.
+STORE_OPTIONS = {"s3": {"part_size": 5 * MiB}}
 
-
-@pytest.fixture(params=["local", "seaweedfs"])
-def store(request: pytest.FixtureRequest, tmp_path: Path,
-          monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """Local disk, then SeaweedFS (credentials in the environment)."""
-    if request.param == "local":
-        yield Store("local", str(tmp_path / "ckpt"), {}, {})
-        return
-    server = request.getfixturevalue("seaweedfs_s3")
-    env = server.env()
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    yield Store("seaweedfs", f"s3://{S3_TEST_BUCKET}/overwrite/{uuid.uuid4().hex[:12]}",
-                {"endpoint_url": server.endpoint_url, "part_size": 5 * MiB}, env, server)
+#: Two-rank runs cost seconds each: the local store (commit by rename) and one S3 server
+#: (commit by PUT) cover both commit paths. Tests without a store: a clean environment.
+STORES = pytest.mark.parametrize("store", ["local", "seaweedfs"], indirect=True)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("clean_env")]
 
 
 def _launch(fn: Any, *args: Any, store: Store, tmp_path: Path, tag: str) -> list[Any]:
@@ -124,6 +102,7 @@ def _assert_intact(store: Store, uri: str, version: int) -> None:
 # -- one rank fails during an overwrite -------------------------------------------------------
 
 
+@STORES
 def test_failed_overwrite_leaves_old_checkpoint_unchanged(store: Store, tmp_path: Path
                                                          ) -> None:
     uri = store.uri("failed-overwrite")
@@ -143,6 +122,7 @@ def test_failed_overwrite_leaves_old_checkpoint_unchanged(store: Store, tmp_path
     logger.info("%s: %d failed overwrites, old checkpoint unchanged", store.name, len(faults))
 
 
+@STORES
 def test_commit_whose_response_was_lost_is_not_torn(store: Store, tmp_path: Path) -> None:
     """The ``.metadata`` PUT lands but the writer sees a timeout: the writer must not
     treat the save as failed and delete the files the new ``.metadata`` names."""
@@ -217,6 +197,7 @@ def _check_one_of(store: Store, uri: str, versions: tuple[int, int]) -> int:
     return int(version)
 
 
+@STORES
 def test_concurrent_overwrites_in_threads_never_mix(store: Store, full_run: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     for owner, name, wrapper in jitter_patches():
@@ -255,6 +236,7 @@ def test_concurrent_overwrites_in_threads_never_mix(store: Store, full_run: bool
     logger.info("%s: concurrent thread saves, winners %s", store.name, winners)
 
 
+@STORES
 def test_concurrent_overwrites_from_two_process_groups_never_mix(
         store: Store, full_run: bool, tmp_path: Path) -> None:
     winners: dict[str, int] = {}

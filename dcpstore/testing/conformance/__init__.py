@@ -1,0 +1,56 @@
+"""The conformance suite every backend passes, split by concern like fsspec's
+``tests/abstract``.
+
+Use it from a backend's test module::
+
+    from dcpstore.testing import BackendConformance
+
+    class TestMyStore(BackendConformance):
+        @pytest.fixture
+        def checkpoint_uri(self, my_server):          # a fresh, empty location per test
+            return f"mystore://bucket/{uuid.uuid4().hex}"
+
+        @pytest.fixture
+        def backend_options(self, my_server):         # options for open_backend/get_writer
+            return {"endpoint_url": my_server.url}
+
+Optional hooks (``missing_bucket_uri``, ``denied_backend_options``, ``http_endpoint``)
+switch on the error tests; see :class:`ConformanceBase`. Class attributes tune
+expectations where stores legitimately differ. Each concern is also a class of its own
+(``ObjectTests``, ``UploadTests``, ...) for a backend that passes only some.
+"""
+
+from __future__ import annotations
+
+from ..state import assert_state_equal, many_dtypes_state
+from ._base import ConformanceBase, HTTPEndpoint
+from .checkpoints import CheckpointTests
+from .errors import ErrorTests
+from .listing import ListingTests
+from .objects import ObjectTests
+from .pickling import PicklingTests
+from .ranges import RangeTests
+from .uploads import UploadTests
+
+__all__ = [
+    "BackendConformance",
+    "CheckpointTests",
+    "ConformanceBase",
+    "ErrorTests",
+    "HTTPEndpoint",
+    "ListingTests",
+    "ObjectTests",
+    "PicklingTests",
+    "RangeTests",
+    "UploadTests",
+    "assert_state_equal",
+    "many_dtypes_state",
+]
+
+
+class BackendConformance(
+    ObjectTests, ListingTests, UploadTests, RangeTests, ErrorTests, PicklingTests,
+    CheckpointTests,
+):
+    """The whole abstract suite. Override ``checkpoint_uri`` (and ``backend_options``
+    when the backend needs options, e.g. an endpoint)."""
