@@ -4,9 +4,12 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-TORCH   = torch==2.13.0
+TORCH_VERSION = 2.13.0
+TORCH   = torch==$(TORCH_VERSION)
 REQS    = $(wildcard requirements/*.txt)
 PLUGINS = $(wildcard backends/*/pyproject.toml)
+# setup.py installs the DCPSTORE_DCP_ROUTING start-up hook (.pth) beside the package
+PACKAGING = pyproject.toml setup.py dcpstore-dcp-routing.pth _dcpstore_dcp_routing.py
 
 .PHONY: setup demo test lint typecheck bench bench-quick clean
 
@@ -14,14 +17,21 @@ setup: $(VENV)/.installed
 
 # torch goes in first, alone and pinned, so no resolver ever pulls a CUDA build;
 # everything else is pinned by requirements/constraints.txt (which pins torch too).
-$(VENV)/.installed: pyproject.toml $(REQS) $(PLUGINS)
+$(VENV)/.installed: $(PACKAGING) $(REQS) $(PLUGINS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt \
 	    $(foreach r,$(filter-out requirements/constraints.txt,$(REQS)),-r $(r))
+	@# torchtitan's declared deps (datasets) cap fsspec below what s3fs/gcsfs need; its
+	@# checkpoint component, which dcpstore.integrations.torchtitan uses, needs none of them
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt --no-deps torchtitan
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt --no-build-isolation \
 	    -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	@# no resolver may have replaced torch (a trainer or extra pulling a CUDA build)
+	$(BIN)/python -c "import sys, torch; v = torch.__version__; \
+	    sys.exit(0 if v.split('+')[0] == '$(TORCH_VERSION)' and torch.version.cuda is None \
+	    else 'pip replaced torch: found ' + v + ', want $(TORCH_VERSION) CPU')"
 	touch $@
 
 demo: setup

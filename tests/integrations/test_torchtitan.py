@@ -1,0 +1,202 @@
+"""torchtitan's real CheckpointManager (0.3.0) through ``DcpstoreCheckpointManager``.
+
+The manager is built from its config, as torchtitan's trainer builds it, around a small
+FSDP2 model on 2 gloo ranks; the trainer itself is not run (it needs a CUDA device).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp import run_ranks
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dcpstore
+from dcpstore.integrations.dcp_routing import MangledURIError
+from dcpstore.integrations.torchtitan import DcpstoreCheckpointManager, committed_steps
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+STEPS = 5
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 40)
+        self.layers = nn.ModuleList([nn.Linear(40, 40), nn.Linear(40, 40)])
+        self.out = nn.Linear(40, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.inp, *self.layers):
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+class _Optimizers(Stateful):
+    """What torchtitan's OptimizersContainer saves: a flattened optimizer state dict."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optim, options=_FLAT)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optim, state_dict, options=_FLAT)
+
+
+class _Counter(Stateful):
+    """Stands in for the trainer's train_state and the LR schedulers."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+
+def _setup(world_size: int, seed: int) -> tuple[nn.Module, _Optimizers, _Counter, _Counter]:
+    torch.manual_seed(seed)
+    model = _Net()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, _Optimizers(model), _Counter(), _Counter()
+
+
+def _manager(folder: str, model: nn.Module, optimizers: _Optimizers, train_state: _Counter,
+             lr: _Counter, **config: Any) -> DcpstoreCheckpointManager:
+    cfg = DcpstoreCheckpointManager.Config(enable=True, folder=folder, **config)
+    return cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers,
+                     lr_schedulers=lr, states={"train_state": train_state}, sd_adapter=None,
+                     base_folder="")
+
+
+def _full(model: nn.Module, optimizers: _Optimizers, train_state: _Counter) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, optimizers.optim, options=_FULL)
+    return copy.deepcopy({"model": msd, "optim": osd, "train_step": train_state.step})
+
+
+def _train_and_save(rank: int, world_size: int, folders: list[str]) -> dict[str, Any]:
+    """The trainer's loop: a step, maybe_wait_for_staging, save(step, last_step)."""
+    out = {}
+    for folder in folders:
+        model, optimizers, train_state, lr = _setup(world_size, seed=5)
+        mgr = _manager(folder, model, optimizers, train_state, lr, interval=1,
+                       keep_latest_k=2, async_mode="async", last_save_model_only=False)
+        assert not mgr.load(), "a fresh folder has nothing to resume from"
+        g = torch.Generator().manual_seed(21 + rank)
+        for step in range(1, STEPS + 1):
+            model(torch.randn(4, 12, generator=g)).pow(2).mean().backward()
+            mgr.maybe_wait_for_staging()
+            optimizers.optim.step()
+            optimizers.optim.zero_grad()
+            train_state.step = step
+            assert mgr.save(step, last_step=step == STEPS)
+        mgr.maybe_wait_for_saving()
+        mgr.close()
+        out[folder] = _full(model, optimizers, train_state)
+    dist.barrier()
+    return out
+
+
+def _resume(rank: int, world_size: int, folders: list[str]) -> dict[str, Any]:
+    """A new run at another world size: load() finds the latest committed step."""
+    out = {}
+    for folder in folders:
+        model, optimizers, train_state, lr = _setup(world_size, seed=77)
+        model(torch.randn(2, 12)).sum().backward()
+        optimizers.optim.step()  # optimizer state exists, with other values
+        optimizers.optim.zero_grad()
+        mgr = _manager(folder, model, optimizers, train_state, lr, keep_latest_k=0)
+        assert mgr.load()
+        mgr.close()
+        out[folder] = _full(model, optimizers, train_state)
+    return out
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys differ"
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where}: tensors differ"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _step_dirs(folder: str) -> list[str]:
+    backend = dcpstore.open_backend(folder)
+    try:
+        return sorted({o.key.partition("/")[0] for o in backend.list()})
+    finally:
+        backend.close()
+
+
+@pytest.mark.multiprocess
+def test_torchtitan_checkpoint_manager_s3_and_local(s3_root: str, tmp_path: Path) -> None:
+    """2 ranks, async_mode="async", keep_latest_k=2, interval 1, 5 steps (the last one a
+    sync full save), to SeaweedFS and to a local folder; then resume at world size 1."""
+    local = str(tmp_path / "ckpt")
+    folders = [f"{s3_root}/titan", local]
+    saved = run_ranks(_train_and_save, 2, folders)[0]
+
+    for folder in folders:
+        # torchtitan purges after interval saves only (not after the last step), and
+        # dcpstore's retention counts committed steps: 1 was deleted when 4 was issued
+        assert _step_dirs(folder) == ["step-2", "step-3", "step-4", "step-5"], folder
+        assert committed_steps(folder) == [2, 3, 4, 5]
+        for step in (2, 5):
+            backend = dcpstore.open_backend(f"{folder}/step-{step}")
+            assert any(o.key.startswith(".dcpstore-") for o in backend.list()), (folder, step)
+            backend.close()
+
+    # a save that never committed (data, no .metadata) must not be picked as the latest
+    torn = dcpstore.open_backend(f"{folders[0]}/step-9")
+    torn.put("__0_0.deadbeefdeadbeef.distcp", b"partial")
+    torn.close()
+    os.makedirs(f"{local}/step-9")
+    Path(f"{local}/step-9/__0_0.distcp").write_bytes(b"partial")
+
+    resumed = run_ranks(_resume, 1, folders)[0]
+    for folder in folders:
+        assert resumed[folder]["train_step"] == STEPS
+        _assert_same(resumed[folder], saved[folder], folder)
+
+
+def test_mangled_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Path("s3://b/run")`` became ``s3:/b/run``: refused, no ./s3: directory."""
+    monkeypatch.chdir(tmp_path)
+    model = _Net()
+    optimizers = _Optimizers(model)
+    with pytest.raises(MangledURIError, match="lost a slash"):
+        _manager(str(Path(f"s3://bucket/{uuid.uuid4().hex}")), model, optimizers, _Counter(),
+                 _Counter(), keep_latest_k=0)
+    assert os.listdir(tmp_path) == []
