@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from ._version import __version__
 from .api import get_reader, get_writer, load, open_backend, save
-from .backend import Backend, BackendOptions, ObjectInfo, ReadRange, Upload
-from .checkpointer import Checkpointer, CheckpointSaveError
+from .backend import Backend, BackendOptions, Failure, ObjectInfo, ReadRange, Upload
+from .checkpointer import (
+    BackgroundWriterDiedError,
+    Checkpointer,
+    CheckpointSaveError,
+    DrainError,
+    Step,
+)
 from .errors import (
     BackendNotFoundError,
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -21,30 +28,38 @@ from .errors import (
     IntegrityError,
     InvalidURIError,
     ShardingError,
+    StoreThrottledError,
     StoreTimeoutError,
     UnsafeCheckpointError,
     UnsafeKeyError,
 )
+from .integrations.dcp_routing import enable as enable_dcp_routing
 from .local import LocalBackend, LocalOptions
 from .manifest import Manifest
 from .multipart import MultipartUpload
-from .reader import Reader, ReaderOptions
+from .options import ReaderOptions, WriterOptions
+from .reader import Reader
 from .registry import available_backends, register_backend
+from .staging import Stager, StagingOptions
 from .state import AppState
 from .weights import export, load_model_weights
-from .writer import Writer, WriterOptions
+from .writer import Writer
 
 __all__ = [
     "AppState",
     "Backend",
     "BackendNotFoundError",
     "BackendOptions",
+    "BackgroundWriterDiedError",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "Checkpointer",
     "DcpstoreError",
+    "DrainError",
+    "Failure",
     "IncompleteCheckpointError",
     "IntegrityError",
     "InvalidURIError",
@@ -57,6 +72,10 @@ __all__ = [
     "Reader",
     "ReaderOptions",
     "ShardingError",
+    "Stager",
+    "StagingOptions",
+    "Step",
+    "StoreThrottledError",
     "StoreTimeoutError",
     "UnsafeCheckpointError",
     "UnsafeKeyError",
@@ -65,6 +84,7 @@ __all__ = [
     "WriterOptions",
     "__version__",
     "available_backends",
+    "enable_dcp_routing",
     "export",
     "get_reader",
     "get_writer",

@@ -2,95 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
 
-from .backend import Backend
-from .errors import CheckpointMismatchError, DcpstoreError
-from .options import option_names, resolve_options
-from .reader import Reader, ReaderOptions
-from .registry import backend_class, selected_backend_name
-from .uri import parse_uri
-from .writer import Writer, WriterOptions
+from .dist import is_distributed, single_process_quiet, unwrap
+from .errors import CheckpointMismatchError
+from .reader import Reader
+from .resolve import open_backend, resolve
+from .writer import Writer
 
 __all__ = ["get_reader", "get_writer", "load", "open_backend", "save"]
 
 logger = logging.getLogger(__name__)
 
 URI = str | os.PathLike[str]
-
-
-def _split_options(
-    options: Mapping[str, Any], own: type[Any], backend_cls: type[Backend], uri: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    mine = option_names(own)
-    theirs = option_names(backend_cls.Options)
-    unknown = sorted(set(options) - mine - theirs)
-    if unknown:
-        raise TypeError(
-            f"unknown option(s) {', '.join(unknown)} for {uri} "
-            f"(backend {backend_cls.name!r}); valid options: {', '.join(sorted(mine | theirs))}"
-        )
-    return ({k: v for k, v in options.items() if k in mine},
-            {k: v for k, v in options.items() if k in theirs})
-
-
-def open_backend(uri: URI, *, backend: str | None = None, **options: Any) -> Backend:
-    """Create the backend serving ``uri`` (options: keyword > query > env > default).
-
-    Args:
-        uri: Checkpoint location.
-        backend: Route through this backend regardless of the scheme (feature flag);
-            defaults to ``$DCPSTORE_BACKEND``, then the scheme.
-        **options: Backend options.
-
-    Raises:
-        InvalidURIError: The URI is malformed.
-        BackendNotFoundError: No backend serves it.
-        TypeError: An unknown option was given.
-    """
-    parsed = parse_uri(uri)
-    cls = backend_class(selected_backend_name(parsed.scheme, backend))
-    unknown = sorted(set(options) - option_names(cls.Options))
-    if unknown:
-        raise TypeError(
-            f"unknown option(s) {', '.join(unknown)} for backend {cls.name!r}; valid: "
-            f"{', '.join(sorted(option_names(cls.Options)))}"
-        )
-    query = {k: v for k, v in parsed.query.items() if k in option_names(cls.Options)}
-    opts = resolve_options(cls.Options, scheme=cls.name, explicit=options, query=query)
-    return cls.from_uri(parsed, opts)
-
-
-def _factory(
-    uri: URI, backend: str | None, own: type[Any], options: dict[str, Any]
-) -> tuple[Backend, Any, Any]:
-    parsed = parse_uri(uri)
-    cls = backend_class(selected_backend_name(parsed.scheme, backend))
-    own_opts, backend_opts = _split_options(options, own, cls, str(parsed))
-    own_query = {k: v for k, v in parsed.query.items() if k in option_names(own)}
-    unknown_query = sorted(
-        set(parsed.query) - option_names(own) - option_names(cls.Options)
-    )
-    if unknown_query:
-        raise TypeError(f"unknown URI query option(s) {', '.join(unknown_query)} in {parsed}")
-    resolved_own = resolve_options(own, scheme="dcpstore", explicit=own_opts, query=own_query,
-                                   environ={})
-
-    rebind = functools.partial(open_backend, backend=backend, **backend_opts)
-    return open_backend(uri, backend=backend, **backend_opts), resolved_own, rebind
 
 
 def get_writer(uri: URI, *, backend: str | None = None, **options: Any) -> Writer:
@@ -108,8 +41,9 @@ def get_writer(uri: URI, *, backend: str | None = None, **options: Any) -> Write
         >>> dcp.save(state_dict, storage_writer=dcpstore.get_writer("s3://b/run/step-1"))
     """
     extensions = options.pop("_extensions", None)
-    be, opts, rebind = _factory(uri, backend, WriterOptions, options)
-    return Writer(be, opts, extensions=extensions, rebind=rebind)
+    resolved = resolve(uri, backend=backend, role="writer", **options)
+    return Writer(resolved.open_backend(), resolved.writer(), extensions=extensions,
+                  rebind=resolved.rebind)
 
 
 def get_reader(uri: URI, *, backend: str | None = None, **options: Any) -> Reader:
@@ -123,8 +57,9 @@ def get_reader(uri: URI, *, backend: str | None = None, **options: Any) -> Reade
             ``_extension_registry``.
     """
     registry = options.pop("_extension_registry", None)
-    be, opts, rebind = _factory(uri, backend, ReaderOptions, options)
-    return Reader(be, opts, extension_registry=registry, rebind=rebind)
+    resolved = resolve(uri, backend=backend, role="reader", **options)
+    return Reader(resolved.open_backend(), resolved.reader(), extension_registry=registry,
+                  rebind=resolved.rebind)
 
 
 class CheckedLoadPlanner(DefaultLoadPlanner):
@@ -165,34 +100,6 @@ def _check_keys(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
     )
 
 
-def _unwrap(exc: CheckpointException) -> BaseException:
-    """The most useful error inside DCP's CheckpointException: a dcpstore error first,
-    then an ``OSError``, then whatever a rank raised; annotated with the rank."""
-    failures = [
-        (rank, f[0] if isinstance(f, tuple) else f) for rank, f in exc.failures.items()
-    ]
-    for kind in (DcpstoreError, OSError, Exception):
-        for rank, err in failures:
-            if isinstance(err, kind):
-                if hasattr(err, "add_note"):
-                    err.add_note(f"(raised on rank {rank} during {exc.args[0]!r}; "
-                                 f"{len(failures)} rank(s) failed)")
-                return err
-    return exc
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process: here that is deliberate."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def save(
     state_dict: dict[str, Any],
     uri: URI,
@@ -200,6 +107,7 @@ def save(
     process_group: Any = None,
     planner: SavePlanner | None = None,
     backend: str | None = None,
+    staging: Any = None,
     **options: Any,
 ) -> Metadata:
     """Save ``state_dict`` to ``uri`` with ``dcp.save`` and a dcpstore writer.
@@ -213,16 +121,28 @@ def save(
         process_group: Process group for the collectives (default: the global group).
         planner: A custom ``SavePlanner``.
         backend: Route through this backend regardless of the scheme.
+        staging: Snapshot the state into staging memory first (one bulk device-to-host
+            copy into pinned memory on CUDA): ``True``, a
+            :class:`~dcpstore.StagingOptions` (or torch's, or a dict), or a
+            :class:`~dcpstore.Stager` to reuse its memory across calls. ``None``: write
+            from the state directly.
         **options: Writer and backend options (see :func:`get_writer`).
 
     Returns:
         The DCP ``Metadata`` that was committed.
     """
+    if staging not in (None, False):
+        from .staging import Stager, as_staging_options
+
+        stager = staging if isinstance(staging, Stager) else _stager_for(
+            as_staging_options(staging))
+        state_dict = stager.stage(state_dict)
+        stager.synchronize()
     writer = get_writer(uri, backend=backend, **options)
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             return dcp.save(state_dict, storage_writer=writer, planner=planner,
-                            process_group=process_group, no_dist=not _distributed())
+                            process_group=process_group, no_dist=not is_distributed())
     except CheckpointException as exc:
         if writer.is_coordinator:
             try:
@@ -230,9 +150,21 @@ def save(
             except Exception as cleanup:  # must not mask the error that failed the save
                 logger.warning("could not remove the files of the failed save at %s (%s); "
                                "`dcpstore gc` will", writer.backend.uri, cleanup)
-        raise _unwrap(exc) from exc
+        raise unwrap(exc) from exc
     finally:
         writer.backend.close()  # this call made it: release its threads and connections
+
+
+_STAGERS: dict[Any, Any] = {}
+
+
+def _stager_for(options: Any) -> Any:
+    """One stager per set of options, kept for the process (its memory is reused)."""
+    from .staging import Stager
+
+    if options not in _STAGERS:
+        _STAGERS[options] = Stager(options)
+    return _STAGERS[options]
 
 
 def load(
@@ -260,14 +192,14 @@ def load(
     """
     reader = get_reader(uri, backend=backend, **options)
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.load(state_dict, storage_reader=reader, planner=planner or CheckedLoadPlanner(),
-                     process_group=process_group, no_dist=not _distributed())
+                     process_group=process_group, no_dist=not is_distributed())
     except CheckpointException as exc:
         # DCP folds read_metadata errors into an AssertionError; the reader kept ours
         if reader.metadata_error is not None:
             raise reader.metadata_error from exc
-        raise _unwrap(exc) from exc
+        raise unwrap(exc) from exc
     finally:
         reader.backend.close()
 

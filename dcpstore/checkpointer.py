@@ -1,14 +1,16 @@
-"""Checkpoints in a training loop: ``root/step-<n>/``, latest, retention, async saves.
+"""Checkpoints in a training loop: ``root/step-<n>/``, latest, retention, async saves,
+staging, and a local tier.
 
 ::
 
-    ckpt = dcpstore.Checkpointer("s3://bucket/run7", keep_last=3, async_mode="thread")
+    ckpt = dcpstore.Checkpointer("s3://bucket/run7", keep_last=3, async_mode="process",
+                                 local_tier="/nvme/ckpt/run7")
     start = ckpt.load({"app": AppState(model, optim)}) if ckpt.latest() is not None else 0
     for step in range(start + 1, steps + 1):
         train_step()
         if step % 100 == 0:
             ckpt.save(step, {"app": AppState(model, optim)})
-    ckpt.wait()
+    ckpt.close()
 
 Every method is collective when ``torch.distributed`` is initialized: call it on every
 rank. Only the coordinator lists the store; the answer is broadcast.
@@ -16,32 +18,132 @@ rank. Only the coordinator lists the store; the answer is broadcast.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import os
 import re
+import threading
+import time
+import warnings
 from concurrent.futures import Future
-from typing import Any, Literal, cast
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from . import layout
-from .api import _single_process_quiet, _unwrap, load, open_backend
+from .api import load
 from .backend import Backend
+from .dist import is_distributed, single_process_quiet, unwrap
 from .errors import CheckpointNotFoundError, DcpstoreError
-from .reader import ReaderOptions
-from .writer import Writer, WriterOptions
+from .local_tier import (
+    DrainError,
+    Step,
+    copy_rank_files,
+    is_space_or_permission_error,
+    local_committed_steps,
+    local_step_verified,
+    probe_local_tier,
+    publish_step,
+)
+from .options import ReaderOptions
+from .resolve import _READER, Resolved, _own_values, open_backend, resolve
+from .staging import (
+    BackgroundWriter,
+    BackgroundWriterDiedError,
+    CheckpointSaveError,
+    ProxyWriter,
+    Stager,
+    StagingOptions,
+    as_staging_options,
+)
+from .uri import parse_uri
+from .writer import Writer
 
-__all__ = ["CheckpointSaveError", "Checkpointer"]
+__all__ = ["BackgroundWriterDiedError", "CheckpointSaveError", "Checkpointer", "DrainError",
+           "Step"]
 
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointSaveError(DcpstoreError):
-    """A background (async) save failed; nothing of it was committed."""
+@dataclass
+class _Job:
+    """A save's background work: ``write`` (staged state -> store) or ``drain``."""
+
+    kind: Literal["write", "drain"]
+    step: int
+    future: Future[Any]
+    started: float
+    reported: bool = False
+
+
+@dataclass
+class _Target:
+    where: Literal["local", "remote"]
+    reason: str = ""
+
+
+class _SerialRunner:
+    """Runs jobs one after another on a background thread that exists only while there
+    is work (so an idle Checkpointer holds no thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: collections.deque[tuple[Future[Any], Any, tuple[Any, ...]]] = (
+            collections.deque())
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._last: threading.Thread | None = None
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            self._queue.append((future, fn, args))
+            if self._thread is None:
+                # not a daemon: the interpreter finishes a pending save before it exits
+                self._thread = threading.Thread(target=self._run, name=self._name)
+                self._last = self._thread
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                future, fn, args = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def join(self) -> None:
+        """Wait until the queue is empty and the thread has exited (call it only when no
+        other thread submits)."""
+        while True:
+            with self._lock:
+                thread = self._last
+            if thread is None:
+                return
+            thread.join()
+            with self._lock:
+                if self._last is thread and self._thread is None:
+                    return
+
+
+class _SaveFailed(Exception):
+    def __init__(self, error: BaseException, landed: bool | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.landed = landed
 
 
 class Checkpointer:
@@ -50,13 +152,31 @@ class Checkpointer:
     Args:
         root_uri: Where the run's checkpoints live; step ``n`` goes to
             ``root_uri/step-<n zero-padded to 9 digits>``.
-        keep_last: Keep this many newest committed steps; older ones are deleted only
-            after a new step is committed. ``None`` keeps everything.
+        keep_last: Keep this many newest committed steps at ``root_uri``; older ones are
+            deleted only after a new step is committed. ``None`` keeps everything.
         async_mode: ``None`` (blocking), ``"thread"`` or ``"process"``: ``save`` returns
-            after staging and the upload continues in the background.
+            once the state is snapshotted into staging memory and the write continues in
+            the background (a thread, or one persistent process per rank).
+        staging: How async saves snapshot the state: ``None``/``True`` (defaults: pinned
+            memory with CUDA, shared memory in process mode), a
+            :class:`~dcpstore.StagingOptions`, torch's ``StagingOptions`` or a dict of
+            its fields. For blocking saves, staging is off unless given.
+        local_tier: A local directory (fast disk): each save commits there first and
+            then drains to ``root_uri`` in the background. ``None``: no local tier.
+        keep_last_local: Steps kept in the local tier (a step not yet on the remote is
+            never deleted while it is the newest).
+        drain_retries: Retries of a failed drain before it is reported.
         process_group: Group for the collectives (default: the global group).
         backend: Route through this backend regardless of the scheme.
         **options: Writer/reader/backend options (see :func:`dcpstore.get_writer`).
+            Checked when the Checkpointer is created; with a ``local_tier``, on the
+            first call that needs the root (a save at the latest), so that resuming from
+            the local tier does not load the root's client library.
+
+    Attributes:
+        last_timings: Timings of the last save (see :meth:`save`).
+        last_load: Where the last :meth:`load` read from: ``step``, ``where``
+            (``"local"`` or ``"remote"``), ``uri`` and ``seconds``.
     """
 
     def __init__(
@@ -65,49 +185,121 @@ class Checkpointer:
         *,
         keep_last: int | None = None,
         async_mode: Literal["thread", "process"] | None = None,
+        staging: StagingOptions | Stager | dict[str, bool] | bool | Any = None,
+        local_tier: str | os.PathLike[str] | None = None,
+        keep_last_local: int | None = 1,
+        drain_retries: int = 2,
         process_group: Any = None,
         backend: str | None = None,
         **options: Any,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if keep_last_local is not None and keep_last_local < 1:
+            raise ValueError(f"keep_last_local must be >= 1 or None, got {keep_last_local}")
         if async_mode not in (None, "thread", "process"):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+        if drain_retries < 0:
+            raise ValueError(f"drain_retries must be >= 0, got {drain_retries}")
+        if async_mode is not None and staging is False:
+            raise ValueError("async saves need staging (the snapshot save() returns after); "
+                             "leave staging=None or pass StagingOptions")
         self.root_uri = str(root_uri).rstrip("/")
         self.keep_last = keep_last
+        self.keep_last_local = keep_last_local
         self.async_mode = async_mode
+        self.local_tier = os.path.abspath(os.fspath(local_tier)) if local_tier else None
+        self.drain_retries = drain_retries
         self.backend_name = backend
         self.options = options
-        self._check_options()
+        self._extensions = options.get("_extensions")
+        self._extension_registry = options.get("_extension_registry")
+        self._given = {k: v for k, v in options.items()
+                       if k not in ("_extensions", "_extension_registry")}
+        self._resolved_root: tuple[Resolved, Backend] | None = None
+        self._resolve_lock = threading.Lock()
+        if self.local_tier is None:
+            self._resolve_root()
+        # else on first use: a resume from the local tier then never imports the root's
+        # store client library (botocore & co. take a while to import)
         self.process_group = process_group
         self._async_group: Any = None
-        self._pending: tuple[int, Writer, Future[Any]] | None = None
-        self._root: Backend = open_backend(self.root_uri, backend=backend,
-                                           **self._backend_options())
+        self.stager: Stager | None = None
+        if isinstance(staging, Stager):
+            self.stager = staging
+        elif async_mode is not None or staging not in (None, False):
+            self.stager = Stager(as_staging_options(staging, process=async_mode == "process"))
+        self._worker: BackgroundWriter | None = None
+        if async_mode == "process":
+            self._worker = BackgroundWriter()  # starts importing torch while training runs
+        self._runner = _SerialRunner("dcpstore-ckpt")
+        self._jobs: list[_Job] = []
+        self._lock = threading.Lock()
+        #: Timings of the last save: ``blocked_s`` (in ``save``), ``durable_s`` (until
+        #: committed at ``root_uri``; set once known), ``where`` it was first committed.
+        self.last_timings: dict[str, Any] = {}
+        #: Where the last :meth:`load` read from: ``step``, ``where`` (``"local"`` or
+        #: ``"remote"``), ``uri`` and ``seconds``.
+        self.last_load: dict[str, Any] = {}
+        self._closed = False
+
+    def _resolve_root(self) -> tuple[Resolved, Backend]:
+        with self._resolve_lock:
+            if self._resolved_root is None:
+                try:
+                    resolved = resolve(self.root_uri, backend=self.backend_name,
+                                       role="checkpointer", **self._given)
+                except TypeError as exc:
+                    raise TypeError(f"Checkpointer({self.root_uri!r}): {exc}") from None
+                self._resolved_root = (resolved, resolved.open_backend())
+            return self._resolved_root
+
+    @property
+    def _resolved(self) -> Resolved:
+        return self._resolve_root()[0]
+
+    @property
+    def _root(self) -> Backend:
+        return self._resolve_root()[1]
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self._root.uri!r}, keep_last={self.keep_last})"
+        tier = f", local_tier={self.local_tier!r}" if self.local_tier else ""
+        return f"Checkpointer({self._root.uri!r}, keep_last={self.keep_last}{tier})"
 
     # -- queries -----------------------------------------------------------------------
 
     def step_uri(self, step: int) -> str:
-        """URI of the checkpoint of ``step``."""
+        """URI of the checkpoint of ``step`` at the root."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return f"{self.root_uri}/{step_dir(step)}"
 
-    def steps(self) -> list[int]:
-        """Committed steps, oldest first (a step without ``.metadata`` does not count).
+    def local_step_path(self, step: int) -> str | None:
+        """Path of ``step`` in the local tier (``None`` without one)."""
+        if self.local_tier is None:
+            return None
+        return os.path.join(self.local_tier, step_dir(step))
 
-        Computed by the coordinator with one listing and broadcast to every rank.
+    def steps(self) -> list[Step]:
+        """Committed steps, oldest first, each a :class:`~dcpstore.Step` (an ``int``
+        whose ``where`` says ``"local"``, ``"remote"`` or ``"both"``).
+
+        A step counts as local only when every rank's local tier holds it. The root is
+        listed once, by the coordinator; the answer is shared with every rank.
         """
-        result: list[int] | None = None
-        if self._is_coordinator():
-            result = committed_steps(self._root)
-        return self._broadcast(result)
+        remote: list[int] | None = committed_steps(self._root) if self._is_coordinator() else None
+        if self.local_tier is None:
+            found = self._broadcast(remote)
+            return [Step(s, local=False, remote=True) for s in found]
+        mine = set(local_committed_steps(self.local_tier))
+        gathered = self._all_gather((mine, remote))
+        local = set.intersection(*(g[0] for g in gathered))
+        remote_set = set(gathered[0][1] or ())
+        return [Step(s, local=s in local, remote=s in remote_set)
+                for s in sorted(local | remote_set)]
 
-    def latest(self) -> int | None:
-        """The newest committed step, or ``None``."""
+    def latest(self) -> Step | None:
+        """The newest step committed anywhere every rank can reach, or ``None``."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -116,101 +308,236 @@ class Checkpointer:
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as ``step`` (collective).
 
-        Blocking mode returns once the checkpoint is committed and retention has run.
-        Async modes return after staging; :meth:`latest` shows the step only once it is
-        committed. A save first waits for the previous async save (and raises if it
-        failed).
-        """
-        self.wait()
-        writer = self._writer(step)
-        if self.async_mode is None:
-            try:
-                with _single_process_quiet():
-                    dcp.save(state, storage_writer=writer, process_group=self.process_group,
-                             no_dist=not _distributed())
-            except CheckpointException as exc:
-                if writer.is_coordinator:
-                    writer.discard()
-                raise _unwrap(exc) from exc
-            finally:
-                writer.backend.close()  # one backend per save: release its threads
-            self._retain()
-            return
-        kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
-                else AsyncCheckpointerType.THREAD)
-        try:
-            with _single_process_quiet():
-                response = dcp.async_save(state, storage_writer=writer,
-                                          process_group=self._group_for_async(),
-                                          async_checkpointer_type=kind,
-                                          no_dist=not _distributed())
-        except BaseException:
-            writer.backend.close()
-            raise
-        future = cast(Future[Any], getattr(response, "upload_completion", response))
-        self._pending = (step, writer, future)
-
-    def wait(self) -> None:
-        """Wait for the pending async save; then apply retention.
+        Blocking mode returns once the checkpoint is committed (in the local tier when
+        there is one; the drain to the root continues in the background). Async modes
+        return once the state is snapshotted: training may change it in place at once.
+        :meth:`latest` shows a step only once it is committed. A save first waits for
+        the previous one's write (not for its drain) and raises if background work
+        failed.
 
         Raises:
-            CheckpointSaveError: The background save failed (its files are removed).
+            CheckpointSaveError: An earlier background save failed (nothing of it was
+                committed); :class:`BackgroundWriterDiedError` when the background
+                process died; :class:`DrainError` when a drain to the root failed.
         """
-        if self._pending is None:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        started = time.perf_counter()
+        self._resolve_root()  # an unknown option is reported before anything is written
+        self._settle(keep_last_drain=True)
+        if self.async_mode == "process":
+            self._check_worker()
+        target = self._choose_target(step, state)
+        if self.async_mode is None:
+            staged = state
+            if self.stager is not None:
+                staged = self.stager.stage(state)
+                self.stager.synchronize()
+            where = self._write(step, staged, target, self.process_group)
+            blocked = time.perf_counter() - started
+            self.last_timings = {"step": step, "blocked_s": blocked, "where": where,
+                                 "durable_s": blocked if where == "remote" else None}
+            if where == "local":
+                self._submit("drain", step, started, self._drain, step)
             return
-        step, writer, future = self._pending
-        self._pending = None
-        try:
-            future.result()
-        except BaseException as exc:
-            landed = writer.discard() if writer.is_coordinator else None
-            cause = _unwrap(exc) if isinstance(exc, CheckpointException) else exc
-            if landed:
-                outcome = (f"the error came after the commit: step {step} is committed and "
-                           "loads")
-            elif landed is False:
-                outcome = "nothing was committed and the previous checkpoint is intact"
-            else:
-                outcome = (f"whether step {step} was committed is decided on the coordinator; "
-                           "latest() tells, and the previous checkpoint is intact either way")
-            raise CheckpointSaveError(
-                f"background save of step {step} to {self.step_uri(step)} failed: {cause}; "
-                f"{outcome}"
-            ) from cause
-        finally:
-            writer.backend.close()
-        self._retain()
+        assert self.stager is not None
+        staged = self.stager.stage(state)
+        blocked = time.perf_counter() - started
+        self.last_timings = {"step": step, "blocked_s": blocked, "where": target.where,
+                             "durable_s": None}
+        group = self._group_for_async()
+        write = self._submit("write", step, started, self._write, step, staged, target, group)
+        if target.where == "local":
+            self._submit("drain", step, started, self._drain_after, write, step)
+
+    def wait(self) -> None:
+        """Wait until the last save is committed at the root (its drain included).
+
+        Raises:
+            CheckpointSaveError: A background save failed (its files are removed);
+                :class:`BackgroundWriterDiedError` / :class:`DrainError` as in :meth:`save`.
+        """
+        self._settle(keep_last_drain=False)
 
     def load(self, state: dict[str, Any], step: int | None = None, **options: Any) -> int:
         """Load ``step`` (default: the newest committed one) into ``state``; return the step.
 
+        Reads from the local tier when every rank holds a committed, whole copy of the
+        step there, else from the root (all ranks agree on the source). A local copy is
+        checked cheaply first (``.metadata`` and manifest agree, every file has its size);
+        the read itself verifies each byte against the manifest's CRC32C, and a local
+        copy that fails it is read from the root instead. With an explicit ``step`` held
+        locally, the root is not contacted at all; with ``step=None`` the root is listed
+        while the local copy loads, and a newer step there is loaded after it.
+        :attr:`last_load` tells where the state came from.
+
         Raises:
             CheckpointNotFoundError: There is no committed checkpoint (or not ``step``).
         """
-        if step is None:
-            step = self.latest()
+        started = time.perf_counter()
+        if step is not None and step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if self.local_tier is None:
             if step is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint under {self.root_uri}; start from scratch or "
-                    "check the root URI"
-                )
+                found = self.steps()
+                if not found:
+                    raise self._not_found()
+                step = int(found[-1])
+            return self._load_remote(state, step, started, options)
+
+        # the root listing (step=None only) overlaps the local load
+        listing: Future[list[int]] | None = None
+        if step is None and self._is_coordinator():
+            listing = Future()
+            # resolving the root (importing its client library) happens on that thread too
+            threading.Thread(target=_fill,
+                             args=(listing, lambda: committed_steps(self._root)),
+                             name="dcpstore-list", daemon=True).start()
+        if step is None:
+            mine = set(local_committed_steps(self.local_tier))
+        else:
+            path = self.local_step_path(step)
+            assert path is not None
+            mine = {step} if os.path.isfile(os.path.join(path, layout.METADATA_KEY)) else set()
+        common = set.intersection(*self._all_gather(mine))
+        candidate = max(common) if step is None and common else step
+        loaded: int | None = None
+        local_error: BaseException | None = None
+        if candidate is not None and candidate in common:
+            try:
+                if self._load_local(state, candidate, options):
+                    loaded = candidate
+            except DcpstoreError as exc:
+                local_error = exc
+
+        if step is not None:
+            if loaded is not None:
+                return self._loaded(step, "local", started)
+            if local_error is not None and not self._remote_has(step):
+                raise local_error
+            return self._load_remote(state, step, started, options)
+
+        remote = set(self._broadcast_result(listing))
+        newest = max(remote | {loaded if loaded is not None else -1}
+                     | ({candidate} if candidate is not None else set()))
+        if newest < 0:
+            raise self._not_found()
+        if loaded is not None and loaded == newest:
+            return self._loaded(loaded, "local", started)
+        if newest not in remote and local_error is not None:
+            raise local_error  # the newest step is local only, and its read failed
+        if loaded is not None:
+            logger.info("step %d is newer at %s than the local tier's %d; loading it",
+                        newest, self.root_uri, loaded)
+        return self._load_remote(state, newest, started, options)
+
+    def _not_found(self) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(
+            f"no committed checkpoint under {self.root_uri}"
+            + (f" or {self.local_tier}" if self.local_tier else "")
+            + "; start from scratch or check the root URI"
+        )
+
+    def _given_options(self) -> dict[str, Any]:
+        given = {**self._resolved.backend_kwargs, **self._resolved.reader_options}
+        if self._extension_registry is not None:
+            given["_extension_registry"] = self._extension_registry
+        return given
+
+    def _load_local(self, state: dict[str, Any], step: int, options: dict[str, Any]) -> bool:
+        """Load ``step`` from the local tier (collective). ``False`` (nothing read) when a
+        rank's copy is not whole; raises when the read fails (a CRC32C mismatch too)."""
+        path = self.local_step_path(step)
+        assert path is not None
+        backend = open_backend(path)
+        try:
+            ok = local_step_verified(backend)
+        finally:
+            backend.close()
+        if not all(self._all_gather(ok)):
+            return False
+        # the reader options given for the root (keyword or URI query), without resolving
+        # the root's backend
+        reader_opts = _own_values(ReaderOptions, _READER, self._given,
+                                  parse_uri(self.root_uri).query)
+        if self._extension_registry is not None:
+            reader_opts["_extension_registry"] = self._extension_registry
+        try:
+            load(state, path, process_group=self.process_group, **{**reader_opts, **options})
+        except DcpstoreError as exc:
+            logger.warning("loading step %d from the local tier %s failed (%s); reading it "
+                           "from %s", step, path, exc, self.root_uri)
+            raise
+        return True
+
+    def _load_remote(self, state: dict[str, Any], step: int, started: float,
+                     options: dict[str, Any]) -> int:
         load(state, self.step_uri(step), process_group=self.process_group,
-             backend=self.backend_name,
-             **{**self._options_for(ReaderOptions, "_extension_registry"), **options})
-        return step
+             backend=self.backend_name, **{**self._given_options(), **options})
+        return self._loaded(step, "remote", started)
+
+    def _loaded(self, step: int, where: str, started: float) -> int:
+        uri = self.local_step_path(step) if where == "local" else self.step_uri(step)
+        self.last_load = {"step": int(step), "where": where, "uri": uri,
+                          "seconds": time.perf_counter() - started}
+        if where == "local":
+            logger.info("loaded step %d from the local tier %s", step, uri)
+        return int(step)
+
+    def _remote_has(self, step: int) -> bool:
+        """Whether ``step`` is committed at the root (one existence check, shared)."""
+        has: bool | None = None
+        if self._is_coordinator():
+            ckpt = self._root.child(step_dir(step))
+            try:
+                has = ckpt.exists(layout.METADATA_KEY)
+            finally:
+                ckpt.close()
+        return bool(self._broadcast(has))
+
+    def _broadcast_result(self, listing: Future[list[int]] | None) -> list[int]:
+        """The coordinator's listing of the root, shared with every rank; its failure is
+        raised on every rank."""
+        answer: tuple[str, Any] | None = None
+        error: BaseException | None = None
+        if listing is not None:
+            try:
+                answer = ("ok", listing.result())
+            except BaseException as exc:
+                error = exc
+                answer = ("err", f"{type(exc).__name__}: {exc}")
+        answer = self._broadcast(answer)
+        assert answer is not None
+        if answer[0] == "ok":
+            return list(answer[1])
+        if error is not None:
+            raise error
+        raise DcpstoreError(f"listing {self.root_uri} on the coordinator failed: {answer[1]}")
 
     def delete(self, step: int) -> None:
-        """Delete one step (coordinator only does it; collective)."""
+        """Delete one step at the root and in the local tier (collective)."""
         if self._is_coordinator():
             _delete_closing(self._root.child(step_dir(step)))
         self._barrier()
+        if self.local_tier is not None:
+            self._delete_local([step], self.process_group)
 
     def close(self) -> None:
-        """Wait for a pending save and release resources."""
+        """Wait for pending saves and drains, then release resources (the background
+        process and the staging memory)."""
+        if self._closed:
+            return
         try:
             self.wait()
         finally:
-            self._root.close()
+            self._closed = True
+            self._runner.join()
+            if self._worker is not None:
+                self._worker.stop()
+            if self.stager is not None:
+                self.stager.close()
+            if self._resolved_root is not None:
+                self._resolved_root[1].close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -218,82 +545,378 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- internals ---------------------------------------------------------------------
+    # -- background work ---------------------------------------------------------------
 
-    def _backend_options(self) -> dict[str, Any]:
-        from .options import option_names
-        from .registry import backend_class, selected_backend_name
-        from .uri import parse_uri
+    def _submit(self, kind: Literal["write", "drain"], step: int, started: float,
+                fn: Any, *args: Any) -> Future[Any]:
+        future = self._runner.submit(self._timed, kind, step, started, fn, *args)
+        self._jobs.append(_Job(kind, step, future, started))
+        return future
 
-        cls = backend_class(selected_backend_name(parse_uri(self.root_uri).scheme,
-                                                  self.backend_name))
-        names = option_names(cls.Options)
-        return {k: v for k, v in self.options.items() if k in names}
+    def _timed(self, kind: str, step: int, started: float, fn: Any, *args: Any) -> Any:
+        result = fn(*args)
+        if (kind == "drain" or result == "remote") and self.last_timings.get("step") == step:
+            self.last_timings["durable_s"] = time.perf_counter() - started
+        return result
 
-    def _writer(self, step: int) -> Writer:
-        from .api import get_writer
+    def _settle(self, *, keep_last_drain: bool) -> None:
+        """Wait for background jobs (all, or all but the newest drain) and raise the
+        first failure not reported yet."""
+        jobs = self._jobs
+        wait_for = jobs
+        if keep_last_drain and jobs and jobs[-1].kind == "drain":
+            wait_for = jobs[:-1]
+        errors: list[BaseException] = []
+        for job in wait_for:
+            try:
+                job.future.result()
+            except BaseException as exc:
+                if not job.reported:
+                    errors.append(exc)
+                job.reported = True
+        self._jobs = [j for j in jobs if j not in wait_for]
+        for job in self._jobs:  # a drain that already failed is reported now too
+            if job.future.done() and job.future.exception() is not None and not job.reported:
+                job.reported = True
+                errors.append(job.future.exception())  # type: ignore[arg-type]
+        self._jobs = [j for j in self._jobs if not j.future.done()]
+        if not self._jobs:
+            self._runner.join()  # no thread outlives the work it did
+        if not errors:
+            return
+        for extra in errors[1:]:
+            logger.error("another background failure: %s", extra)
+        first = errors[0]
+        if isinstance(first, BackgroundWriterDiedError):
+            self._restart_worker()
+        raise first
 
-        return get_writer(self.step_uri(step), backend=self.backend_name,
-                          **self._options_for(WriterOptions, "_extensions"))
+    def _drain_after(self, write: Future[Any], step: int) -> None:
+        try:
+            where = write.result()
+        except BaseException:
+            return  # the write failed: reported by its own job
+        if where == "local":
+            self._drain(step)
 
-    def _options_for(self, own: type[Any], special: str) -> dict[str, Any]:
-        """The options a writer (or reader) takes: its own, the backend's, ``special``."""
-        from .options import option_names
+    # -- choosing where a save goes ----------------------------------------------------
 
-        names = option_names(own) | set(self._backend_options()) | {special}
-        return {k: v for k, v in self.options.items() if k in names}
+    def _choose_target(self, step: int, state: dict[str, Any]) -> _Target:
+        if self.local_tier is None:
+            return _Target("remote")
+        need = int(_state_nbytes(state) * 1.1) + (16 << 20)
+        why = probe_local_tier(self.local_tier, need)
+        reasons = [r for r in self._all_gather(why) if r]
+        if reasons:
+            msg = (f"local tier unusable for step {step}: {reasons[0]}; saving it straight "
+                   f"to {self.root_uri}")
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            return _Target("remote", reasons[0])
+        return _Target("local")
 
-    def _check_options(self) -> None:
-        """Writer and reader options are given together; refuse names neither knows."""
-        from .options import option_names
+    def _write(self, step: int, state: dict[str, Any], target: _Target, group: Any) -> str:
+        """Write a step where ``target`` says (falling back to the root when the local
+        disk refuses it); return where it was committed. Runs on every rank."""
+        if self.stager is not None:
+            self.stager.synchronize()
+        if target.where == "local":
+            try:
+                self._dcp_save(step, state, self._local_writer(step), group)
+                self._retain_local(group)
+                return "local"
+            except _SaveFailed as failed:
+                if not is_space_or_permission_error(failed.error):
+                    raise self._save_error(step, failed, self.local_step_path(step)) from \
+                        failed.error
+                msg = (f"local tier {self.local_tier} failed for step {step} "
+                       f"({failed.error}); saving it straight to {self.root_uri}")
+                logger.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        try:
+            self._dcp_save(step, state, self._remote_writer(step), group)
+        except _SaveFailed as failed:
+            raise self._save_error(step, failed, self.step_uri(step)) from failed.error
+        self._retain(group)
+        return "remote"
 
-        known = (option_names(WriterOptions) | option_names(ReaderOptions)
-                 | set(self._backend_options()))
-        unknown = sorted(set(self.options) - known - {"_extensions", "_extension_registry"})
-        if unknown:
-            raise TypeError(
-                f"unknown option(s) {', '.join(unknown)} for Checkpointer({self.root_uri!r}); "
-                f"valid writer/reader options: {', '.join(sorted(known))} and the backend's"
+    def _dcp_save(self, step: int, state: dict[str, Any], writer: Writer, group: Any) -> None:
+        try:
+            with single_process_quiet():
+                dcp.save(state, storage_writer=writer, process_group=group,
+                         no_dist=not is_distributed())
+        except CheckpointException as exc:
+            landed = None
+            if writer.is_coordinator:
+                try:
+                    landed = writer.discard()
+                except Exception as cleanup:
+                    logger.warning("could not remove the files of the failed save at %s "
+                                   "(%s); `dcpstore gc` will", writer.backend.uri, cleanup)
+            raise _SaveFailed(unwrap(exc), landed if writer.is_coordinator else None) from exc
+        except BaseException as exc:
+            raise _SaveFailed(exc, None) from exc
+        finally:
+            writer.backend.close()  # one backend per save: release its threads
+
+    def _save_error(self, step: int, failed: _SaveFailed, uri: str | None) -> BaseException:
+        cause, landed = failed.error, failed.landed
+        if self.async_mode is None and not isinstance(cause, BackgroundWriterDiedError):
+            return cause  # blocking saves raise the error itself, as before
+        if landed:
+            outcome = f"the error came after the commit: step {step} is committed and loads"
+        elif landed is False:
+            outcome = "nothing was committed and the previous checkpoint is intact"
+        else:
+            outcome = (f"whether step {step} was committed is decided on the coordinator; "
+                       "latest() tells, and the previous checkpoint is intact either way")
+        kind = (BackgroundWriterDiedError if isinstance(cause, BackgroundWriterDiedError)
+                else CheckpointSaveError)
+        return kind(f"background save of step {step} to {uri} failed: {cause}; {outcome}")
+
+    def _local_writer(self, step: int) -> Writer:
+        path = self.local_step_path(step)
+        assert path is not None
+        os.makedirs(path, exist_ok=True)
+        kwargs = dict(self._resolved.writer_options)
+        return self._make_writer(path, None, kwargs)
+
+    def _remote_writer(self, step: int) -> Writer:
+        kwargs = {**self._resolved.backend_kwargs, **self._resolved.writer_options}
+        return self._make_writer(self.step_uri(step), self.backend_name, kwargs)
+
+    def _make_writer(self, uri: str, backend: str | None, kwargs: dict[str, Any]) -> Writer:
+        resolved = resolve(uri, backend=backend, role="writer", **kwargs)
+        if self.async_mode == "process":
+            if self._worker is None or not self._worker.alive():
+                raise BackgroundWriterDiedError(
+                    "the background writer process is not running; this save is not "
+                    "committed (the next save starts a new process)")
+            assert self.stager is not None
+            self._worker.prepare(uri, backend, kwargs)
+            return ProxyWriter(resolved.open_backend(), resolved.writer(),
+                               extensions=self._extensions, rebind=resolved.rebind,
+                               worker=self._worker, stager=self.stager, uri=uri,
+                               backend_name=backend, worker_kwargs=kwargs)
+        return Writer(resolved.open_backend(), resolved.writer(), extensions=self._extensions,
+                      rebind=resolved.rebind)
+
+    # -- process mode ------------------------------------------------------------------
+
+    def _check_worker(self) -> None:
+        dead = self._worker is None or not self._worker.alive()
+        pid = self._worker.pid if self._worker else None
+        dead_ranks = [r for r, d in enumerate(self._all_gather(dead)) if d]
+        if not dead_ranks:
+            return
+        if dead:
+            self._restart_worker()
+        raise BackgroundWriterDiedError(
+            f"the background writer process of rank(s) {dead_ranks} died since the last "
+            f"save (this rank's was pid {pid}); this save was not started and nothing was "
+            "committed. Call save() again to use a new background process"
+        )
+
+    def _restart_worker(self) -> None:
+        if self.async_mode != "process":
+            return
+        if self._worker is not None and self._worker.alive():
+            return
+        if self._worker is not None:
+            self._worker.stop()
+        logger.warning("starting a new background writer process")
+        self._worker = BackgroundWriter()
+
+    # -- the drain to the root ---------------------------------------------------------
+
+    def _drain(self, step: int) -> None:
+        """Copy a locally committed step to the root; commit it there last (every rank)."""
+        group = self._group_for_async()
+        local = self.local_step_path(step)
+        assert local is not None
+        rank = self._rank(group)
+        coordinator = rank == 0
+        remote = self._root.child(step_dir(step))
+        problems: list[str] = []
+        try:
+            for attempt in range(self.drain_retries + 1):
+                if attempt:
+                    time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
+                mine: str | None = None
+                try:
+                    copy_rank_files(local, remote, rank, coordinator)
+                except Exception as exc:
+                    mine = f"rank {rank}: {type(exc).__name__}: {exc}"
+                failures = [f for f in self._all_gather(mine, group) if f]
+                if not failures:
+                    outcome: str | None = None
+                    if coordinator:
+                        try:
+                            publish_step(local, remote,
+                                         overwrite=self._resolved.writer().overwrite)
+                        except Exception as exc:
+                            outcome = f"commit: {type(exc).__name__}: {exc}"
+                    outcome = self._broadcast(outcome, group)
+                    if outcome is None:
+                        logger.info("step %d drained to %s", step, self.step_uri(step))
+                        self._retain(group)
+                        self._retain_local(group)
+                        return
+                    failures = [outcome]
+                problems = failures
+                logger.warning("drain of step %d to %s failed (attempt %d of %d): %s", step,
+                               self.step_uri(step), attempt + 1, self.drain_retries + 1,
+                               "; ".join(failures))
+            if coordinator:
+                self._discard_remote_partial(remote, local)
+            raise DrainError(
+                f"step {step} is committed in the local tier ({local}) but could not be "
+                f"copied to {self.step_uri(step)} after {self.drain_retries + 1} attempts: "
+                f"{'; '.join(problems)}. The remote's previous steps are intact; the next "
+                "save drains as usual"
             )
+        finally:
+            remote.close()
 
-    def _retain(self) -> None:
+    def _discard_remote_partial(self, remote: Backend, local: str) -> None:
+        try:
+            if remote.exists(layout.METADATA_KEY):
+                return
+            ids = {layout.save_id_of(n) for n in os.listdir(local)} - {None}
+            keys = [o.key for o in remote.list("__") if layout.save_id_of(o.key) in ids]
+            remote.delete(keys)
+        except Exception as exc:
+            logger.warning("could not remove the partial copy at %s (%s); `dcpstore gc` "
+                           "will", remote.uri, exc)
+
+    # -- retention ---------------------------------------------------------------------
+
+    def _retain(self, group: Any = None) -> None:
+        group = self.process_group if group is None else group
         if self.keep_last is None:
             return
-        if self._is_coordinator():
+        if self._rank(group) == 0:
             steps = committed_steps(self._root)
             for old in steps[: max(0, len(steps) - self.keep_last)]:
                 logger.info("retention: deleting step %d under %s", old, self.root_uri)
                 _delete_closing(self._root.child(step_dir(old)))
-        self._barrier()
+        self._barrier(group)
+
+    def _retain_local(self, group: Any) -> None:
+        if self.local_tier is None or self.keep_last_local is None:
+            return
+        doomed: list[int] | None = None
+        if self._rank(group) == 0:
+            local = local_committed_steps(self.local_tier)
+            remote = set(committed_steps(self._root))
+            newest_remote = max(remote, default=-1)
+            keep = set(local[-self.keep_last_local:])
+            doomed = [s for s in local if s not in keep
+                      and (s in remote or s < newest_remote)]
+        doomed = self._broadcast(doomed, group)
+        if doomed:
+            self._delete_local(doomed, group)
+
+    def _delete_local(self, steps: list[int], group: Any) -> None:
+        """Delete local steps: ``.metadata`` first (coordinator), then every rank its own
+        files, then the coordinator the rest."""
+        rank = self._rank(group)
+        paths = [p for p in (self.local_step_path(s) for s in steps) if p]
+        if rank == 0:
+            for path in paths:
+                logger.info("local retention: deleting %s", path)
+                _unlink(os.path.join(path, layout.METADATA_KEY))
+        self._barrier(group)
+        prefix = f"__{rank}_"
+        for path in paths:
+            for name in _listdir(path):
+                if name.startswith(prefix):
+                    _unlink(os.path.join(path, name))
+        self._barrier(group)
+        if rank == 0:
+            for path in paths:
+                for name in _listdir(path):
+                    _unlink(os.path.join(path, name))
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+
+    # -- collectives -------------------------------------------------------------------
 
     def _group_for_async(self) -> Any:
         # a dedicated gloo group keeps background collectives off the training group
-        if not _distributed():
+        if not is_distributed():
             return None
-        if self._async_group is None:
-            self._async_group = dist.new_group(backend="gloo")
+        with self._lock:
+            if self._async_group is None:
+                self._async_group = dist.new_group(backend="gloo")
         return self._async_group
 
-    def _is_coordinator(self) -> bool:
-        if not _distributed():
-            return True
-        return bool(dist.get_rank(self.process_group) == 0)
+    def _rank(self, group: Any = None) -> int:
+        if not is_distributed():
+            return 0
+        return int(dist.get_rank(group))
 
-    def _broadcast(self, value: Any) -> Any:
-        if not _distributed():
+    def _is_coordinator(self) -> bool:
+        return self._rank(self.process_group) == 0
+
+    def _broadcast(self, value: Any, group: Any = None) -> Any:
+        if not is_distributed():
             return value
+        group = self.process_group if group is None else group
         box = [value]
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
-        dist.broadcast_object_list(box, src=src, group=self.process_group)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
 
-    def _barrier(self) -> None:
-        if _distributed():
-            dist.barrier(group=self.process_group)
+    def _all_gather(self, value: Any, group: Any = None) -> list[Any]:
+        if not is_distributed():
+            return [value]
+        group = self.process_group if group is None else group
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, value, group=group)
+        return out
+
+    def _barrier(self, group: Any = None) -> None:
+        if is_distributed():
+            dist.barrier(group=self.process_group if group is None else group)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def _state_nbytes(state: Any) -> int:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        local = getattr(state, "_local_tensor", state)
+        return int(local.numel() * local.element_size())
+    if isinstance(state, dict):
+        return sum(_state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_nbytes(v) for v in state)
+    sd = getattr(state, "state_dict", None)
+    if callable(sd) and not isinstance(state, type):
+        try:
+            return _state_nbytes(sd())
+        except Exception:
+            return 0
+    return 0
+
+
+def _fill(future: Future[Any], fn: Any, *args: Any) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def step_dir(step: int) -> str:
@@ -330,7 +953,5 @@ def delete_checkpoint(ckpt: Backend) -> int:
         ckpt.delete([layout.METADATA_KEY])
     rest = [k for k in keys if k != layout.METADATA_KEY]
     ckpt.delete(rest)
-    remove = getattr(ckpt, "remove_empty_dirs", None)
-    if remove is not None:
-        remove()
+    ckpt.remove_empty_dirs()
     return len(keys)

@@ -1,6 +1,9 @@
 """The ``dcpstore`` command line (also ``python -m dcpstore``).
 
 Errors print one line on stderr and exit non-zero; ``--debug`` shows the traceback.
+Output into a pipe that closes early (``dcpstore inspect URI | head``) ends the command
+quietly with status 141, as SIGPIPE ends a Unix tool. Progress bars need ``tqdm``
+(``pip install 'dcpstore[cli]'``).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -19,6 +23,22 @@ from typing import Any
 __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
+
+#: Exit status of a command whose stdout pipe closed early (128 + SIGPIPE), like a
+#: Unix tool killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 141
+
+
+class _StdoutClosed(Exception):
+    """Whoever read our stdout has gone (``| head``)."""
+
+
+def _out(text: str) -> None:
+    """Print ``text`` to stdout; a closed pipe becomes :class:`_StdoutClosed`."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError as exc:
+        raise _StdoutClosed from exc
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -51,13 +71,32 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _wants_progress(args: argparse.Namespace) -> bool:
+    """``--progress`` / ``--no-progress`` if given; otherwise not with ``--json``/``-q``."""
+    asked = getattr(args, "progress", None)
+    if asked is not None:
+        return bool(asked)
+    return not (args.quiet or args.json)
+
+
 @contextlib.contextmanager
 def _progress(args: argparse.Namespace, total: int | None, desc: str) -> Iterator[Any]:
-    from tqdm import tqdm
+    if not _wants_progress(args):
+        yield lambda n: None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if getattr(args, "progress", None):
+            raise ImportError(
+                "--progress needs tqdm: pip install 'dcpstore[cli]' (or pip install tqdm)"
+            ) from None
+        logger.debug("tqdm is not installed: no progress bar")
+        yield lambda n: None
+        return
 
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-               disable=args.quiet or args.json, file=sys.stderr, dynamic_ncols=True,
-               leave=True)
+               file=sys.stderr, dynamic_ncols=True, leave=True)
     lock = threading.Lock()
 
     def update(n: int) -> None:
@@ -72,19 +111,23 @@ def _progress(args: argparse.Namespace, total: int | None, desc: str) -> Iterato
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     if args.json:
-        print(json.dumps(data, indent=2, default=str))
+        _out(json.dumps(data, indent=2, default=str))
     elif not args.quiet and text:
-        print(text)
+        _out(text)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from .ops import list_checkpoints
+    from .ops import list_checkpoints, list_checkpoints_tiered
 
-    found = list_checkpoints(args.uri, **dict(args.option))
+    tiered = args.local_tier is not None
+    found = (list_checkpoints_tiered(args.uri, args.local_tier, **dict(args.option)) if tiered
+             else list_checkpoints(args.uri, **dict(args.option)))
     rows = [[c.path, "committed" if c.committed else "INCOMPLETE",
              "-" if c.step is None else str(c.step), human_bytes(c.size), str(c.files),
-             "-" if c.world_size is None else str(c.world_size), _when(c.mtime)] for c in found]
-    text = (_table(rows, ["CHECKPOINT", "STATE", "STEP", "SIZE", "FILES", "RANKS", "DATE"])
+             "-" if c.world_size is None else str(c.world_size), _when(c.mtime)]
+            + ([c.where or "-"] if tiered else []) for c in found]
+    headers = ["CHECKPOINT", "STATE", "STEP", "SIZE", "FILES", "RANKS", "DATE"]
+    text = (_table(rows, headers + (["WHERE"] if tiered else []))
             if rows else f"no checkpoints under {args.uri}")
     _emit(args, [c.__dict__ for c in found], text)
     return 0
@@ -215,11 +258,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    echo = (lambda *_a, **_k: None) if args.quiet or args.json else print
+    def echo(*parts: Any, **_kwargs: Any) -> None:
+        if not (args.quiet or args.json):
+            _out(" ".join(str(p) for p in parts))
+
     result = run_demo(args.uri, world_size=args.ranks, width=args.width, echo=echo,
                       **dict(args.option))
     if args.json:
-        print(json.dumps(result.__dict__))
+        _out(json.dumps(result.__dict__))
     return 0 if result.bit_exact else 1
 
 
@@ -229,7 +275,11 @@ def _global_flags(parser: argparse.ArgumentParser, default: Any) -> None:
     parser.add_argument("--quiet", "-q", action="store_true", default=default,
                         help="print only errors")
     parser.add_argument("--json", action="store_true", default=default,
-                        help="machine-readable output")
+                        help="machine-readable output (no progress bar unless --progress)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                        default=None if default is False else default,
+                        help="show (or hide) the progress bar on stderr (default: shown "
+                        "unless --json or --quiet; needs tqdm)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,7 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    add("ls", "list checkpoints (committed or incomplete) under a root", _cmd_ls, "uri")
+    p = add("ls", "list checkpoints (committed or incomplete) under a root", _cmd_ls, "uri")
+    p.add_argument("--local-tier", metavar="DIR", default=None,
+                   help="a Checkpointer's local tier: also list it and show WHERE each step "
+                        "is committed (local, remote, both)")
     add("inspect", "keys, dtypes, shapes, sharding and files of a checkpoint", _cmd_inspect,
         "uri")
     p = add("verify", "re-read every data file and check CRC32C", _cmd_verify, "uri")
@@ -295,6 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
+    except _StdoutClosed:
+        # what is still buffered for stdout goes nowhere instead of failing at exit
+        with contextlib.suppress(OSError, ValueError):  # no real file: nothing to redirect
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("dcpstore: interrupted", file=sys.stderr)
         return 130

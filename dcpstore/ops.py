@@ -15,23 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import layout
-from .api import open_backend
 from .backend import Backend, ObjectInfo, ReadRange
 from .checkpointer import delete_checkpoint
 from .checksum import BlockCRCs, crc32c
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    IntegrityError,
-    UnsafeCheckpointError,
-)
-from .manifest import SAVE_ID_PREFIX, FileRecord, Manifest
-from .safe_pickle import safe_loads
-from .uri import validate_key
+from .errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError
+from .manifest import SAVE_ID_PREFIX, FileRecord
+from .metadata_io import load_metadata, read_manifest
+from .resolve import open_backend
 
 __all__ = [
     "CheckpointInfo",
@@ -41,6 +34,7 @@ __all__ = [
     "gc",
     "inspect_checkpoint",
     "list_checkpoints",
+    "list_checkpoints_tiered",
     "remove_checkpoint",
     "verify_checkpoint",
 ]
@@ -68,6 +62,8 @@ class CheckpointInfo:
     mtime: float | None
     step: int | None = None
     world_size: int | None = None
+    #: With a local tier: where it is committed (``local``, ``remote``, ``both``).
+    where: str | None = None
 
 
 def _group_by_dir(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
@@ -77,65 +73,6 @@ def _group_by_dir(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
         if layout.is_checkpoint_object(name):
             groups.setdefault(head, []).append(obj)
     return groups
-
-
-def _read_manifest(backend: Backend, save_id: Any, *, required: bool = False
-                   ) -> Manifest | None:
-    """The manifest of ``save_id``; a missing one is ``None`` unless ``required``."""
-    if not (isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)):
-        return None
-    key = layout.manifest_key(save_id)
-    try:
-        return Manifest.from_bytes(backend.get(key), source=f"{backend.uri}/{key}")
-    except FileNotFoundError:
-        if required:
-            raise IntegrityError(
-                f"{backend.uri}: the integrity manifest {key} named by .metadata is missing; "
-                "the checkpoint was damaged after it was written"
-            ) from None
-        return None
-
-
-def _parse_metadata(raw: bytes, source: str) -> Metadata:
-    """Unpickle ``.metadata`` safely and check that it is DCP metadata whose storage
-    entries stay inside the checkpoint (as the reader does before loading).
-
-    Raises:
-        UnsafeCheckpointError: It would import or call something not allowed.
-        UnsafeKeyError: A storage entry points outside the checkpoint root.
-        IntegrityError: It is damaged.
-    """
-    try:
-        md = safe_loads(raw, source=source)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:
-        raise IntegrityError(f"{source} is damaged and cannot be read: "
-                             f"{type(exc).__name__}: {exc}") from exc
-    if not isinstance(md, Metadata):
-        raise IntegrityError(f"{source} holds a {type(md).__name__}, not DCP metadata")
-    for index, info in (getattr(md, "storage_data", None) or {}).items():
-        path, *sizes = (getattr(info, name, None) for name in ("relative_path", "offset",
-                                                               "length"))
-        if not (isinstance(info, _StorageInfo) and isinstance(path, str)
-                and all(isinstance(n, int) and n >= 0 for n in sizes)):
-            raise IntegrityError(f"{source}: storage entry of "
-                                 f"{getattr(index, 'fqn', index)!r} is malformed")
-        validate_key(path)
-    return md
-
-
-def _load_metadata(backend: Backend) -> tuple[Metadata, bytes]:
-    """``.metadata`` of a checkpoint, parsed and raw."""
-    try:
-        raw = backend.get(layout.METADATA_KEY)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"no checkpoint at {backend.uri} (no .metadata)") from None
-    return _parse_metadata(raw, f"{backend.uri}/.metadata"), raw
-
-
-def _read_metadata(backend: Backend) -> Metadata:
-    return _load_metadata(backend)[0]
 
 
 def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
@@ -157,8 +94,8 @@ def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
         if committed:
             ckpt = root.child(head) if head else root
             try:
-                save_id = getattr(_read_metadata(ckpt).storage_meta, "save_id", None)
-                manifest = _read_manifest(ckpt, save_id)
+                save_id = getattr(load_metadata(ckpt)[0].storage_meta, "save_id", None)
+                manifest = read_manifest(ckpt, save_id)
                 info.world_size = manifest.world_size if manifest else None
             except Exception as exc:  # listing must not fail on one damaged checkpoint
                 logger.warning("%s: %s", head, exc)
@@ -167,11 +104,29 @@ def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
     return out
 
 
+def list_checkpoints_tiered(root_uri: str, local_tier: str, **options: Any
+                            ) -> list[CheckpointInfo]:
+    """:func:`list_checkpoints` of a Checkpointer's root and its local tier, merged:
+    ``where`` says whether each step is committed ``local``, ``remote`` or ``both``."""
+    merged: dict[str, CheckpointInfo] = {}
+    for info in list_checkpoints(root_uri, **options):
+        info.where = "remote"
+        merged[info.path] = info
+    for info in list_checkpoints(local_tier):
+        info.where = "local"
+        known = merged.get(info.path)
+        if known is None or (info.committed and not known.committed):
+            merged[info.path] = info
+        elif info.committed and known.committed:
+            known.where = "both"
+    return [merged[k] for k in sorted(merged)]
+
+
 def inspect_checkpoint(uri: str, **options: Any) -> dict[str, Any]:
     """Keys, dtypes, shapes, sharding, files and versions of one checkpoint."""
     backend = open_backend(uri, **options)
-    md = _read_metadata(backend)
-    manifest = _read_manifest(backend, getattr(md.storage_meta, "save_id", None))
+    md = load_metadata(backend)[0]
+    manifest = read_manifest(backend, getattr(md.storage_meta, "save_id", None))
     ranks_by_key: dict[str, set[int]] = {}
     for index, info in (md.storage_data or {}).items():
         m = _RANK_RE.match(info.relative_path)
@@ -254,9 +209,9 @@ def verify_checkpoint(uri: str, *, progress: Progress = _noop, concurrency: int 
 
 def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) -> VerifyReport:
     report = VerifyReport(uri)
-    md, raw = _load_metadata(backend)
+    md, raw = load_metadata(backend)
     source = f"{backend.uri}/.metadata"
-    manifest = _read_manifest(backend, layout.save_id_of_metadata(md, source=source),
+    manifest = read_manifest(backend, layout.save_id_of_metadata(md, source=source),
                               required=True)
     names = {(i.relative_path, i.offset): idx.fqn for idx, i in (md.storage_data or {}).items()}
     if manifest is not None:
@@ -364,12 +319,12 @@ def copy_checkpoint(src: str, dst: str, *, progress: Progress = _noop, concurren
     """
     source = open_backend(src, **(src_options or {}))
     target = open_backend(dst, **(dst_options or {}))
-    md, md_raw = _load_metadata(source)
+    md, md_raw = load_metadata(source)
     if target.exists(layout.METADATA_KEY) and not overwrite:
-        raise CheckpointExistsError(f"a checkpoint already exists at {target.uri}; pass "
+        raise CheckpointExistsError(f"Checkpoint already exists at {target.uri}; pass "
                                     "--overwrite to replace it")
     save_id = str(layout.save_id_of_metadata(md, source=f"{source.uri}/.metadata"))
-    manifest = _read_manifest(source, save_id, required=True)
+    manifest = read_manifest(source, save_id, required=True)
     if manifest is not None:
         manifest.check_metadata(md_raw, source=f"{source.uri}/.metadata")
     paths = sorted({i.relative_path for i in (md.storage_data or {}).values()})
@@ -444,7 +399,7 @@ def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
         names = {o.key.rpartition("/")[2] for o in objs}
         if layout.METADATA_KEY in names:
             try:
-                md = _read_metadata(ckpt)
+                md = load_metadata(ckpt)[0]
             except Exception as exc:
                 logger.warning("gc: skipping %s: %s", ckpt.uri, exc)
                 continue
@@ -466,9 +421,8 @@ def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
         root.delete(report.objects)
         if report.uploads:
             root.abort_uploads(report.uploads)
-        remove = getattr(root, "remove_empty_dirs", None)
-        if remove is not None and report.objects:
+        if report.objects:
             for head in {k.rpartition("/")[0] for k in report.objects if "/" in k}:
-                getattr(root.child(head), "remove_empty_dirs", lambda: None)()
+                root.child(head).remove_empty_dirs()
     root.close()
     return report

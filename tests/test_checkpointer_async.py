@@ -1,0 +1,319 @@
+"""Async saves: persistent staging, snapshot-at-save, process mode (persistent writer
+process, no torch.distributed needed, death detected), CUDA staging where a GPU exists."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import dcpstore
+from dcpstore.staging import Stager, StagingOptions
+
+MODES = ["thread", "process"]
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, 32, generator=g),
+        "b": torch.randn(32, generator=g).to(torch.bfloat16),
+        "nested": {"steps": torch.arange(10), "lr": 0.1, "names": ["a", "b"]},
+        "t": torch.randn(8, 8, generator=g).t(),  # non-contiguous
+    }
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "w": torch.zeros_like(state["w"]), "b": torch.zeros_like(state["b"]),
+        "nested": {"steps": torch.zeros_like(state["nested"]["steps"]), "lr": 0.0,
+                   "names": []},
+        "t": torch.zeros(8, 8),
+    }
+
+
+def _mutate(state: dict[str, Any]) -> None:
+    state["w"].add_(1.0)
+    state["b"].mul_(2)
+    state["nested"]["steps"].add_(100)
+    state["nested"]["names"].append("c")
+    state["t"].zero_()
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert torch.equal(got["w"], want["w"])
+    assert torch.equal(got["b"], want["b"])
+    assert torch.equal(got["nested"]["steps"], want["nested"]["steps"])
+    assert got["nested"]["lr"] == want["nested"]["lr"]
+    assert got["nested"]["names"] == want["nested"]["names"]
+    assert torch.equal(got["t"], want["t"])
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    return {"w": state["w"].clone(), "b": state["b"].clone(),
+            "nested": {"steps": state["nested"]["steps"].clone(),
+                       "lr": state["nested"]["lr"], "names": list(state["nested"]["names"])},
+            "t": state["t"].clone()}
+
+
+# -- the stager ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_stager_allocates_once_and_snapshots(shared: bool) -> None:
+    stager = Stager(StagingOptions(use_shared_memory=shared))
+    state = _state()
+    ptrs = None
+    for i in range(5):
+        want = _clone(state)
+        staged = stager.stage(state)
+        _mutate(state)  # the live state changes; the snapshot must not
+        _assert_same(staged, want)
+        now = [staged["w"].data_ptr(), staged["b"].data_ptr(),
+               staged["nested"]["steps"].data_ptr(), staged["t"].data_ptr()]
+        assert ptrs is None or now == ptrs, f"save {i} got new staging memory"
+        ptrs = now
+        assert staged["t"].is_contiguous()
+        # each staged tensor owns a storage of exactly its size (no copy in the writer)
+        assert staged["w"].untyped_storage().nbytes() == staged["w"].nbytes
+    assert stager.allocations == 1
+    assert (stager.arena is not None and stager.arena.fd is not None) == shared
+    # a changed layout reallocates (once)
+    state["w"] = torch.zeros(3)
+    stager.stage(state)
+    assert stager.allocations == 2
+    stager.close()
+
+
+def test_staging_options_accept_torch_options_and_dicts() -> None:
+    from torch.distributed.checkpoint.staging import StagingOptions as TorchOptions
+
+    opts = dcpstore.staging.as_staging_options(TorchOptions(False, True, False, True))
+    assert opts == StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                  use_async_staging=False, use_non_blocking_copy=True)
+    assert dcpstore.staging.as_staging_options({"use_shared_memory": False},
+                                               process=True).use_shared_memory
+    with pytest.raises(TypeError, match="valid fields"):
+        dcpstore.staging.as_staging_options({"pinned": True})
+    with pytest.raises(ValueError, match="need staging"):
+        dcpstore.Checkpointer("/tmp/x", async_mode="thread", staging=False)
+
+
+def test_save_with_staging_reuses_a_stager(tmp_path: Path) -> None:
+    stager = Stager()
+    state = _state()
+    for i in range(3):
+        dcpstore.save(state, str(tmp_path / f"s{i}"), staging=stager)
+    assert stager.allocations == 1
+    out = _zeros_like(state)
+    dcpstore.load(out, str(tmp_path / "s2"))
+    _assert_same(out, state)
+    dcpstore.save(state, str(tmp_path / "opt"), staging={"use_shared_memory": True})
+
+
+# -- snapshot at save(), single process (no torch.distributed) ----------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mutating_right_after_save_keeps_the_snapshot(mode: str, tmp_path: Path) -> None:
+    assert not dist.is_initialized()  # process mode works without a process group
+    state = _state()
+    with dcpstore.Checkpointer(str(tmp_path), keep_last=2, async_mode=mode) as ckpt:
+        wanted = {}
+        for step in range(1, 4):
+            wanted[step] = _clone(state)
+            ckpt.save(step, state)
+            _mutate(state)  # training changes parameters in place at once
+        ckpt.wait()
+        assert ckpt.steps() == [2, 3]
+        assert ckpt.stager is not None and ckpt.stager.allocations == 1
+        for step in (2, 3):
+            out = _zeros_like(state)
+            assert ckpt.load(out, step=step) == step
+            _assert_same(out, wanted[step])
+        assert ckpt.last_timings["step"] == 3 and ckpt.last_timings["durable_s"] is not None
+
+
+def test_process_mode_uses_one_persistent_process(tmp_path: Path) -> None:
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        assert ckpt._worker is not None
+        pid = ckpt._worker.pid
+        for step in range(1, 5):
+            ckpt.save(step, _state(step))
+        ckpt.wait()
+        assert ckpt._worker.pid == pid and ckpt._worker.alive()
+        assert ckpt.steps() == [1, 2, 3, 4]
+    assert not ckpt._worker.alive()  # close() stops it
+
+
+def test_writer_process_starts_and_warms_up_with_the_checkpointer(tmp_path: Path) -> None:
+    """The process is started by the constructor and imports torch while training runs,
+    so no save (not even the first) waits for it to start."""
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        assert ckpt._worker is not None and ckpt._worker.alive()  # before any save
+        pid = ckpt._worker.pid
+        deadline = time.monotonic() + 120
+        while True:  # torch's library mapped = imported (the import is its last step)
+            with open(f"/proc/{pid}/maps") as f:
+                if "libtorch" in f.read():
+                    break
+            assert time.monotonic() < deadline, "the writer process never imported torch"
+            time.sleep(0.05)
+        ckpt.save(1, _state(1))
+        assert ckpt._worker.pid == pid
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+
+
+def _kill(worker: Any, *, settle: bool = True) -> None:
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while settle and worker.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_killed_writer_process_is_detected_and_nothing_committed(tmp_path: Path) -> None:
+    big = {"x": torch.randn(16 << 20)}  # 64 MiB: the write is in flight when killed
+    ckpt = dcpstore.Checkpointer(str(tmp_path), async_mode="process")
+    try:
+        ckpt.save(1, {"x": torch.ones(4)})
+        ckpt.wait()
+        # killed while idle: the next save() raises, starts nothing, commits nothing
+        assert ckpt._worker is not None
+        _kill(ckpt._worker)
+        with pytest.raises(dcpstore.BackgroundWriterDiedError, match="died"):
+            ckpt.save(2, {"x": torch.zeros(4)})
+        # killed while writing: the next wait() raises; nothing of step 3 is committed
+        ckpt.save(3, big)
+        assert ckpt._worker is not None
+        _kill(ckpt._worker, settle=False)
+        with pytest.raises(dcpstore.BackgroundWriterDiedError, match="not committed"):
+            ckpt.wait()
+        assert ckpt.steps() == [1]
+        assert not (tmp_path / "step-000000003" / ".metadata").exists()
+        # and the run goes on with a new process
+        ckpt.save(4, {"x": torch.full((4,), 4.0)})
+        ckpt.wait()
+        assert ckpt.steps() == [1, 4]
+        out = {"x": torch.zeros(4)}
+        ckpt.load(out)
+        assert torch.equal(out["x"], torch.full((4,), 4.0))
+    finally:
+        ckpt.close()
+
+
+# -- 2 ranks, gloo: DTensor shards, mutate right after save --------------------------------
+
+
+def _rank_save_mutate_load(rank: int, world_size: int, root: str, mode: str) -> bool:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    full = torch.randn(16, 8)
+    state = {"d": distribute_tensor(full.clone(), mesh, [Shard(0)]),
+             "plain": torch.full((4,), 7.0), "step": 0}
+    ckpt = dcpstore.Checkpointer(root, keep_last=1, async_mode=mode)
+    want_local = state["d"].to_local().clone()
+    ckpt.save(1, state)
+    with torch.no_grad():
+        state["d"].add_(1.0)  # in place, right after save() returned
+        state["plain"].add_(1.0)
+    ckpt.save(2, state)  # waits for step 1 first
+    want_local2 = state["d"].to_local().clone()
+    with torch.no_grad():
+        state["d"].mul_(0)
+    ckpt.wait()
+    assert ckpt.stager is not None and ckpt.stager.allocations == 1
+    out = {"d": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]),
+           "plain": torch.zeros(4), "step": -1}
+    assert ckpt.load(out) == 2 and ckpt.steps() == [2]
+    assert isinstance(out["d"], DTensor)
+    assert torch.equal(out["d"].to_local(), want_local2)
+    assert torch.equal(want_local2, want_local + 1)
+    assert torch.equal(out["plain"], torch.full((4,), 8.0))
+    ckpt.close()
+    return True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_snapshot_at_save(mode: str, tmp_path: Path) -> None:
+    assert run_ranks(_rank_save_mutate_load, 2, str(tmp_path / "root"), mode) == [True, True]
+
+
+def _rank_killed_writer(rank: int, world_size: int, root: str) -> str:
+    ckpt = dcpstore.Checkpointer(root, async_mode="process")
+    ckpt.save(1, {f"x{rank}": torch.ones(4)})
+    ckpt.wait()
+    if rank == 1:
+        assert ckpt._worker is not None
+        _kill(ckpt._worker)
+    dist.barrier()
+    try:
+        ckpt.save(2, {f"x{rank}": torch.zeros(4)})
+    except dcpstore.BackgroundWriterDiedError as exc:
+        outcome = f"raised: {exc}"
+    else:
+        outcome = "no error"
+    assert ckpt.steps() == [1]
+    ckpt.save(3, {f"x{rank}": torch.full((4,), 3.0)})
+    ckpt.wait()
+    assert ckpt.steps() == [1, 3]
+    ckpt.close()
+    return outcome
+
+
+def test_two_ranks_killed_writer_is_reported_on_every_rank(tmp_path: Path) -> None:
+    outcomes = run_ranks(_rank_killed_writer, 2, str(tmp_path / "root"))
+    assert all(o.startswith("raised:") and "rank(s) [1]" in o for o in outcomes), outcomes
+
+
+# -- CUDA: device-to-host into pinned memory on a side stream ------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device: the pinned-memory D2H path needs a GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_cuda_staging_pinned_side_stream(async_staging: bool, tmp_path: Path) -> None:
+    opts = StagingOptions(use_pinned_memory=True, use_async_staging=async_staging)
+    stager = Stager(opts)
+    x = torch.randn(1 << 20, device="cuda")
+    ptr = None
+    for _ in range(3):
+        want = x.cpu()
+        staged = stager.stage({"x": x})
+        x.mul_(3)  # queued right after: must not reach the snapshot
+        stager.synchronize()
+        assert torch.equal(staged["x"], want)
+        assert stager.arena is not None and stager.arena.pinned
+        assert ptr is None or staged["x"].data_ptr() == ptr
+        ptr = staged["x"].data_ptr()
+    assert stager.allocations == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_checkpointer_snapshot(mode: str, tmp_path: Path) -> None:
+    model = torch.nn.Linear(512, 512).cuda()
+    ckpt = dcpstore.Checkpointer(str(tmp_path), async_mode=mode, staging=StagingOptions(
+        use_pinned_memory=True, use_async_staging=True))
+    want = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    ckpt.save(1, {"m": model.state_dict()})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ckpt.wait()
+    out = {"m": {k: torch.zeros_like(v) for k, v in want.items()}}
+    ckpt.load(out)
+    for k, v in want.items():
+        assert torch.equal(out["m"][k], v), k
+    ckpt.close()

@@ -1,0 +1,585 @@
+"""The local tier: commit locally first, drain to the root in the background.
+
+Also the reliability run: a rank SIGKILLed at seeded points of the drain (quick subset by
+default, many seeds with ``--full``) leaves the local step loadable, the remote's previous
+step intact, never a torn remote step, and nothing ``dcpstore gc`` cannot clean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp import run_killable, run_ranks
+from stores import Store, full_requested, make_store
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dcpstore
+import dcpstore.checkpointer as ckpt_mod
+import dcpstore.local_tier
+from dcpstore import layout, registry
+from dcpstore.cli import main as cli_main
+from dcpstore.local import LocalBackend
+from dcpstore.ops import gc, verify_checkpoint
+from dcpstore.testing import assert_state_equal
+from dcpstore.testing.servers import isolate_env
+
+logger = logging.getLogger(__name__)
+
+
+def _state(v: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(v)
+    return {"w": torch.randn(128, 64, generator=g), "b": torch.randn(64, generator=g),
+            "step": v}
+
+
+def _empty() -> dict[str, Any]:
+    return {"w": torch.zeros(128, 64), "b": torch.zeros(64), "step": -1}
+
+
+class _Sources:
+    """Records which URI every Checkpointer.load read from."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.uris: list[str] = []
+        real = ckpt_mod.load
+
+        def spy(state: Any, uri: Any, **kw: Any) -> None:
+            self.uris.append(str(uri))
+            real(state, uri, **kw)
+
+        monkeypatch.setattr(ckpt_mod, "load", spy)
+
+
+@pytest.fixture
+def seaweed(seaweedfs_s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+    store = make_store("seaweedfs", "local_tier", tmp_path / "store",
+                       {"seaweedfs": seaweedfs_s3}, None)
+    isolate_env(monkeypatch, extra=store.env)
+    return store
+
+
+# -- single process -----------------------------------------------------------------------
+
+
+def test_commits_locally_then_drains_and_tells_where(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    ckpt = dcpstore.Checkpointer(str(remote), local_tier=str(local), keep_last=2,
+                                 keep_last_local=1)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step))
+        assert (local / ckpt_mod.step_dir(step) / ".metadata").is_file()  # local at once
+    ckpt.wait()
+    steps = ckpt.steps()
+    assert steps == [2, 3] and [s.where for s in steps] == ["remote", "both"]
+    assert ckpt.latest() == 3 and ckpt.latest().where == "both"  # type: ignore[union-attr]
+    assert sorted(os.listdir(local)) == ["step-000000003"]  # keep_last_local=1
+    assert verify_checkpoint(str(remote / "step-000000003")).ok
+    # load prefers the verified local copy ...
+    sources = _Sources(monkeypatch)
+    out = _empty()
+    assert ckpt.load(out) == 3
+    assert_state_equal(out, _state(3))
+    assert sources.uris[-1] == str(local / "step-000000003")
+    # ... and reads the remote for a step only the remote holds
+    assert ckpt.load(out, step=2) == 2 and sources.uris[-1].endswith("remote/step-000000002")
+    assert_state_equal(out, _state(2))
+    ckpt.close()
+    # another node (an empty local tier) reads the remote
+    other = dcpstore.Checkpointer(str(remote), local_tier=str(tmp_path / "other"))
+    assert [s.where for s in other.steps()] == ["remote", "remote"]
+    assert other.load(out) == 3 and sources.uris[-1].endswith("remote/step-000000003")
+    other.close()
+    # a damaged local copy is not used (size check), the remote is
+    victim = next(p for p in (local / "step-000000003").iterdir() if p.suffix == ".distcp")
+    with open(victim, "r+b") as f:
+        f.truncate(10)
+    again = dcpstore.Checkpointer(str(remote), local_tier=str(local))
+    assert again.load(out) == 3 and sources.uris[-1].endswith("remote/step-000000003")
+    assert_state_equal(out, _state(3))
+    again.close()
+
+
+class _GatedBackend(LocalBackend):
+    gate = threading.Event()
+
+    @classmethod
+    def from_uri(cls, uri: Any, options: Any) -> Any:
+        return cls("/" + uri.location, options)
+
+    def _open_upload(self, key: str) -> Any:
+        assert self.gate.wait(30)
+        return super()._open_upload(key)
+
+
+class _FlakyBackend(LocalBackend):
+    failures = 0  # uploads still to fail
+
+    @classmethod
+    def from_uri(cls, uri: Any, options: Any) -> Any:
+        return cls("/" + uri.location, options)
+
+    def _open_upload(self, key: str) -> Any:
+        if _FlakyBackend.failures > 0:
+            _FlakyBackend.failures -= 1
+            raise PermissionError(13, "injected: remote refuses the upload", key)
+        return super()._open_upload(key)
+
+
+@pytest.fixture
+def custom_backends() -> Any:
+    dcpstore.register_backend("gated", _GatedBackend, clobber=True)
+    dcpstore.register_backend("flaky", _FlakyBackend, clobber=True)
+    try:
+        yield
+    finally:
+        _GatedBackend.gate.set()
+        _FlakyBackend.failures = 0
+        registry._reset_for_tests()
+
+
+@pytest.mark.parametrize("mode", [None, "thread", "process"])
+def test_remote_shows_a_step_only_when_drained(mode: str | None, tmp_path: Path,
+                                               custom_backends: Any) -> None:
+    remote = tmp_path / "remote"
+    ckpt = dcpstore.Checkpointer(f"gated:/{remote}", local_tier=str(tmp_path / "local"),
+                                 async_mode=mode)  # type: ignore[arg-type]
+    _GatedBackend.gate.clear()
+    ckpt.save(1, _state(1))  # returns: the drain waits at the gate
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "local" / "step-000000001" / ".metadata").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [s.where for s in ckpt.steps()] == ["local"]
+    assert not (remote / "step-000000001" / ".metadata").exists()
+    _GatedBackend.gate.set()
+    ckpt.wait()
+    assert [s.where for s in ckpt.steps()] == ["both"]
+    assert ckpt.last_timings["durable_s"] is not None
+    ckpt.close()
+
+
+def test_failed_drain_is_retried_then_reported(tmp_path: Path, custom_backends: Any) -> None:
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    ckpt = dcpstore.Checkpointer(f"flaky:/{remote}", local_tier=str(local),
+                                 keep_last_local=1, drain_retries=2)
+    _FlakyBackend.failures = 2  # two attempts fail, the third succeeds
+    ckpt.save(1, _state(1))
+    ckpt.wait()
+    assert [s.where for s in ckpt.steps()] == ["both"]
+    _FlakyBackend.failures = 100  # every attempt fails
+    ckpt.save(2, _state(2))
+    with pytest.raises(dcpstore.DrainError, match="step 2 is committed in the local tier"):
+        ckpt.wait()
+    # the remote never shows step 2, keeps step 1, and holds no partial files of step 2
+    assert not (remote / "step-000000002" / ".metadata").exists()
+    assert not list((remote / "step-000000002").glob("*.distcp")) \
+        if (remote / "step-000000002").exists() else True
+    assert [(int(s), s.where) for s in ckpt.steps()] == [(1, "remote"), (2, "local")]
+    out = _empty()
+    assert ckpt.load(out) == 2
+    assert_state_equal(out, _state(2))
+    # the local step is kept while it is newer than the remote's newest
+    _FlakyBackend.failures = 0
+    ckpt.save(3, _state(3))
+    ckpt.wait()
+    assert [(int(s), s.where) for s in ckpt.steps()] == [(1, "remote"), (3, "both")]
+    # reported once, also through save()
+    _FlakyBackend.failures = 100
+    ckpt.save(4, _state(4))
+    ckpt._jobs[-1].future.exception()  # let the drain fail
+    with pytest.raises(dcpstore.DrainError):
+        ckpt.save(5, _state(5))
+    ckpt.close()
+
+
+class _CountingBackend(LocalBackend):
+    """Counts the root queries a load makes (listings and existence checks)."""
+
+    calls: list[str] = []  # shared on purpose: every instance records
+
+    @classmethod
+    def from_uri(cls, uri: Any, options: Any) -> Any:
+        return cls("/" + uri.location, options)
+
+    def list(self, prefix: str = "") -> Any:
+        _CountingBackend.calls.append(f"list {self.location}")
+        return super().list(prefix)
+
+    def exists(self, key: str) -> bool:
+        _CountingBackend.calls.append(f"exists {self.location}/{key}")
+        return super().exists(key)
+
+
+def _flip_bytes(step_dir: Path) -> None:
+    """Damage a data file without changing its size (only the CRC32C check sees it)."""
+    victim = max((p for p in step_dir.iterdir() if p.suffix == ".distcp"),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def test_load_from_the_local_tier_does_not_touch_the_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dcpstore.register_backend("counting", _CountingBackend, clobber=True)
+    try:
+        remote, local = tmp_path / "remote", tmp_path / "local"
+        with dcpstore.Checkpointer(f"counting:/{remote}", local_tier=str(local),
+                                   keep_last_local=2) as ckpt:
+            for step in (1, 2):
+                ckpt.save(step, _state(step))
+            ckpt.wait()
+        sources = _Sources(monkeypatch)
+        _CountingBackend.calls.clear()
+        out = _empty()
+        with dcpstore.Checkpointer(f"counting:/{remote}", local_tier=str(local)) as again:
+            # an explicit step held locally: the root is not contacted at all, not even
+            # set up (no client library imported for it)
+            assert again.load(out, step=1) == 1
+            assert _CountingBackend.calls == [] and again._resolved_root is None
+            assert again.last_load["where"] == "local" and again.last_load["step"] == 1
+            assert_state_equal(out, _state(1))
+            # the newest step: the root is listed once (to find a newer step there)
+            assert again.load(out) == 2
+            assert [c.split()[0] for c in _CountingBackend.calls] == ["list"]
+            assert again.last_load["where"] == "local"
+            assert_state_equal(out, _state(2))
+        assert sources.uris == [str(local / "step-000000001"), str(local / "step-000000002")]
+        # a step saved straight to the root (say, the local tier was full) is newer there:
+        # it is the one loaded, after the older local copy
+        with dcpstore.Checkpointer(f"counting:/{remote}") as plain:
+            plain.save(3, _state(3))
+        with dcpstore.Checkpointer(f"counting:/{remote}", local_tier=str(local)) as again:
+            assert again.load(out) == 3
+            assert again.last_load["where"] == "remote"
+            assert sources.uris[-1].endswith("remote/step-000000003")
+            assert_state_equal(out, _state(3))
+            assert [(int(s), s.where) for s in again.steps()] == [
+                (1, "both"), (2, "both"), (3, "remote")]
+    finally:
+        registry._reset_for_tests()
+
+
+def test_options_are_checked_by_the_first_save_with_a_local_tier(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"Checkpointer\(.*unknown option.*bogus"):
+        dcpstore.Checkpointer(str(tmp_path / "remote"), bogus=1)  # no tier: at once
+    ckpt = dcpstore.Checkpointer(str(tmp_path / "remote"), local_tier=str(tmp_path / "local"),
+                                 bogus=1)
+    with pytest.raises(TypeError, match=r"Checkpointer\(.*unknown option.*bogus"):
+        ckpt.save(1, _state(1))
+    assert not (tmp_path / "local").exists() or not os.listdir(tmp_path / "local")
+    ckpt.close()  # nothing to release
+
+
+def test_corrupt_local_copy_is_caught_by_the_read_and_the_root_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    with dcpstore.Checkpointer(str(remote), local_tier=str(local), keep_last_local=2) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+        ckpt.wait()
+    _flip_bytes(local / "step-000000002")  # sizes still match: only the CRC32C check sees it
+    assert dcpstore.local_tier.local_step_verified(LocalBackend(str(local / "step-000000002")))
+    sources = _Sources(monkeypatch)
+    for step in (None, 2):
+        out = _empty()
+        with dcpstore.Checkpointer(str(remote), local_tier=str(local)) as again:
+            assert again.load(out, step=step) == 2
+            assert again.last_load["where"] == "remote"
+        assert_state_equal(out, _state(2))
+        assert sources.uris[-2:] == [str(local / "step-000000002"),
+                                     str(remote / "step-000000002")]
+    # a damaged copy of a step that only the local tier holds: the error is raised
+    with dcpstore.Checkpointer(str(tmp_path / "nowhere"), local_tier=str(local)) as lonely:
+        for step in (None, 2):
+            with pytest.raises(dcpstore.IntegrityError):
+                lonely.load(_empty(), step=step)
+        assert lonely.load(out, step=1) == 1 and lonely.last_load["where"] == "local"
+        assert_state_equal(out, _state(1))
+
+
+def test_unwritable_or_full_local_tier_goes_straight_to_remote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    remote = tmp_path / "remote"
+    ckpt = dcpstore.Checkpointer(str(remote), local_tier=str(tmp_path / "a-file" / "tier"))
+    with pytest.warns(RuntimeWarning, match="local tier unusable for step 1.*not writable"):
+        ckpt.save(1, _state(1))
+    assert (remote / "step-000000001" / ".metadata").is_file()
+    assert [s.where for s in ckpt.steps()] == ["remote"]
+    ckpt.close()
+
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(dcpstore.local_tier.shutil, "disk_usage", lambda _: Usage())
+    full = dcpstore.Checkpointer(str(remote), local_tier=str(tmp_path / "full"),
+                                 async_mode="thread")
+    with pytest.warns(RuntimeWarning, match="GB free"):
+        full.save(2, _state(2))
+    full.wait()
+    assert [(int(s), s.where) for s in full.steps()] == [(1, "remote"), (2, "remote")]
+    full.close()
+
+
+def test_cli_ls_tells_where(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                            custom_backends: Any) -> None:
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    ckpt = dcpstore.Checkpointer(str(remote), local_tier=str(local), keep_last_local=2)
+    ckpt.save(1, _state(1))
+    ckpt.save(2, _state(2))
+    ckpt.wait()
+    ckpt.delete(1)  # now: step 2 in both
+    ckpt.close()
+    ckpt = dcpstore.Checkpointer(f"flaky:/{remote}", local_tier=str(local), keep_last_local=2,
+                                 drain_retries=0)
+    _FlakyBackend.failures = 100
+    ckpt.save(3, _state(3))
+    with pytest.raises(dcpstore.DrainError):
+        ckpt.wait()
+    ckpt.close()
+    os.makedirs(remote / "step-000000000")  # remote-only step
+    dcpstore.save(_state(0), str(remote / "step-000000000"), overwrite=True)
+    assert cli_main(["ls", str(remote), "--local-tier", str(local)]) == 0
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("step-")}
+    assert rows == {"step-000000000": "remote", "step-000000002": "both",
+                    "step-000000003": "local"}
+    assert cli_main(["ls", str(remote), "--json", "--local-tier", str(local)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {c["path"]: c["where"] for c in listed}["step-000000003"] == "local"
+
+
+# -- 2 ranks, gloo, SeaweedFS as the remote ------------------------------------------------
+
+
+def _rank_tiered(rank: int, world_size: int, remote: str, local: str, other: str,
+                 options: dict[str, Any]) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    state = {"d": distribute_tensor(full.clone(), mesh, [Shard(0)]), "n": 1}
+    seen: list[str] = []
+    real = ckpt_mod.load
+
+    def spy(st: Any, uri: Any, **kw: Any) -> None:
+        seen.append(str(uri))
+        real(st, uri, **kw)
+
+    ckpt_mod.load = spy  # type: ignore[assignment]
+    ckpt = dcpstore.Checkpointer(remote, local_tier=local, async_mode="thread", keep_last=1,
+                                 keep_last_local=1, **options)
+    ckpt.save(1, state)
+    with torch.no_grad():
+        state["d"].add_(1)
+    ckpt.save(2, state)
+    ckpt.wait()
+    where = [(int(s), s.where) for s in ckpt.steps()]
+    out = {"d": distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)]), "n": 0}
+    ckpt.load(out)
+    local_ok = torch.equal(out["d"].to_local(), (full + 1).chunk(world_size)[rank])
+    ckpt.close()
+    # rank 1 restarts on "another node" (an empty local tier): every rank reads the remote
+    tier = local if rank == 0 else other
+    again = dcpstore.Checkpointer(remote, local_tier=tier, **options)
+    where_again = [(int(s), s.where) for s in again.steps()]
+    out = {"d": distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)]), "n": 0}
+    again.load(out)
+    remote_ok = torch.equal(out["d"].to_local(), (full + 1).chunk(world_size)[rank])
+    again.close()
+    dist.barrier()
+    return {"where": where, "where_again": where_again, "sources": seen,
+            "ok": [local_ok, remote_ok]}
+
+
+def test_two_ranks_local_tier_with_seaweedfs(tmp_path: Path, seaweed: Store) -> None:
+    remote = seaweed.uri("run")
+    results = run_ranks(_rank_tiered, 2, remote, str(tmp_path / "local"),
+                        str(tmp_path / "other"), seaweed.options)
+    for r in results:
+        assert r["ok"] == [True, True]
+        assert r["where"] == [(2, "both")]
+        assert r["where_again"] == [(2, "remote")]
+        assert r["sources"][0] == str(tmp_path / "local" / "step-000000002")
+        assert r["sources"][1] == f"{remote}/step-000000002"
+    assert verify_checkpoint(f"{remote}/step-000000002", **seaweed.options).ok
+
+
+# -- reliability: SIGKILL during the drain -------------------------------------------------
+
+POINTS = ["before_copy", "mid_copy", "after_copy", "before_manifest", "before_metadata",
+          "after_metadata", "timer"]
+_COORDINATOR_POINTS = {"before_manifest", "before_metadata", "after_metadata"}
+QUICK_SEEDS = 4
+FULL_SEEDS = 42
+
+
+def _die(where: str, outdir: str) -> None:
+    with open(os.path.join(outdir, "crash.json"), "w") as f:
+        json.dump({"point": where, "rank": dist.get_rank()}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str, outdir: str, delay: float) -> None:
+    """Install the kill on this rank, for the drain (background thread) only."""
+    from dcpstore.backend import Backend
+
+    def in_drain() -> bool:
+        return threading.current_thread().name.startswith("dcpstore-ckpt")
+
+    real_copy = ckpt_mod.copy_rank_files
+    real_upload = Backend.open_upload
+    real_put = Backend.put
+
+    def copy(*a: Any, **kw: Any) -> Any:
+        if point == "before_copy":
+            _die(point, outdir)
+        out = real_copy(*a, **kw)
+        if point == "after_copy":
+            _die(point, outdir)
+        return out
+
+    def open_upload(self: Backend, key: str) -> Any:
+        up = real_upload(self, key)
+        if point == "mid_copy" and in_drain():
+            real_write = up.write
+
+            def write(data: Any) -> int:
+                n = real_write(bytes(data)[: max(1, len(data) // 2)])
+                _die(point, outdir)
+                return n
+
+            up.write = write  # type: ignore[method-assign]
+        return up
+
+    def put(self: Backend, key: str, data: bytes, **kw: Any) -> None:
+        if in_drain():
+            if point == "before_manifest" and key.startswith(".dcpstore-"):
+                _die(point, outdir)
+            if point == "before_metadata" and key == layout.METADATA_KEY:
+                _die(point, outdir)
+        real_put(self, key, data, **kw)
+        if in_drain() and point == "after_metadata" and key == layout.METADATA_KEY:
+            _die(point, outdir)
+
+    ckpt_mod.copy_rank_files = copy  # type: ignore[assignment]
+    Backend.open_upload = open_upload  # type: ignore[method-assign]
+    Backend.put = put  # type: ignore[method-assign]
+
+
+def _rank_drain_crash(rank: int, world_size: int, remote: str, local: str,
+                      options: dict[str, Any], victim: int, point: str, delay: float,
+                      outdir: str) -> str:
+    mesh = init_device_mesh("cpu", (world_size,))
+    ckpt = dcpstore.Checkpointer(remote, local_tier=local, keep_last=2, keep_last_local=2,
+                                 drain_retries=0, **options)
+
+    def state(v: int) -> dict[str, Any]:
+        full = _state(v)
+        return {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), "b": full["b"],
+                "step": v}
+
+    ckpt.save(1, state(1))
+    ckpt.wait()
+    dist.barrier()
+    if rank == victim:
+        _arm(point, outdir, delay)
+    ckpt.save(2, state(2))  # committed locally; the drain runs in the background
+    if rank == victim and point == "timer":
+        threading.Timer(delay, _die, args=(point, outdir)).start()
+    ckpt.wait()
+    ckpt.close()
+    return "finished"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "drain_seed" in metafunc.fixturenames:
+        n = FULL_SEEDS if full_requested(metafunc.config) else QUICK_SEEDS
+        metafunc.parametrize("drain_seed", range(n))
+
+
+def _plan(seed: int) -> tuple[str, str, int, float]:
+    rng = random.Random(seed)
+    point = POINTS[seed % len(POINTS)] if seed < len(POINTS) else rng.choice(POINTS)
+    store = "seaweedfs" if seed % 2 else "local"
+    victim = 0 if point in _COORDINATOR_POINTS else rng.randrange(2)
+    return point, store, victim, rng.uniform(0.0, 0.05)  # drains take tens of ms
+
+
+def test_rank_killed_during_drain(drain_seed: int, tmp_path: Path,
+                                  request: pytest.FixtureRequest,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    point, store_name, victim, delay = _plan(drain_seed)
+    report_path = os.environ.get("DCPSTORE_DRAIN_CRASH_REPORT")  # before the env is isolated
+    servers = ({"seaweedfs": request.getfixturevalue("seaweedfs_s3")}
+               if store_name == "seaweedfs" else {})
+    store = make_store(store_name, "local_tier", tmp_path / "remote", servers, None)
+    isolate_env(monkeypatch, extra=store.env)
+    remote = store.uri("run") if store_name != "local" else str(tmp_path / "remote")
+    local = str(tmp_path / "local")
+    outdir = str(tmp_path / "out")
+    result = run_killable(_rank_drain_crash, 2, remote, local, store.options, victim, point,
+                          delay, outdir, outdir=outdir, env=dict(os.environ), timeout=120)
+    assert not result.timed_out
+    crashed = os.path.exists(os.path.join(outdir, "crash.json"))
+    line = {"seed": drain_seed, "store": store_name, "point": point, "victim": victim,
+            "killed": crashed, "exitcodes": result.exitcodes}
+    # 1. the local tier's committed step loads (at another world size, too)
+    out = _empty()
+    dcpstore.load(out, f"{local}/step-000000002")
+    assert_state_equal(out, _state(2))
+    # 2. the remote's previous step is intact
+    dcpstore.load(out, f"{remote}/step-000000001", **store.options)
+    assert_state_equal(out, _state(1))
+    assert verify_checkpoint(f"{remote}/step-000000001", **store.options).ok
+    # 3. the remote never has a torn step: step 2 is whole or not committed at all
+    remote_2 = dcpstore.open_backend(f"{remote}/step-000000002", **store.options)
+    committed = remote_2.exists(layout.METADATA_KEY)
+    remote_2.close()
+    if committed:
+        assert verify_checkpoint(f"{remote}/step-000000002", **store.options).ok
+        dcpstore.load(out, f"{remote}/step-000000002", **store.options)
+        assert_state_equal(out, _state(2))
+    else:
+        assert point != "after_metadata" or not crashed
+    line["remote_committed"] = committed
+    # 4. gc leaves exactly the committed files, no dangling upload
+    report = gc(remote, min_age=0, **store.options)
+    line["gc_objects"] = len(report.objects)
+    line["gc_uploads"] = len(report.uploads)
+    leftover = dcpstore.open_backend(remote, **store.options)
+    keys = {o.key for o in leftover.list()}
+    assert not leftover.list_uploads()
+    leftover.close()
+    wanted = set()
+    for step in (1, 2) if committed else (1,):
+        d = ckpt_mod.step_dir(step)
+        md = dcpstore.get_reader(f"{remote}/{d}", **store.options).read_metadata()
+        wanted |= {f"{d}/{i.relative_path}" for i in md.storage_data.values()}
+        wanted |= {f"{d}/{layout.METADATA_KEY}",
+                   f"{d}/{layout.manifest_key(md.storage_meta.save_id)}"}
+    assert keys == wanted
+    # 5. a restart on the same node resumes from the local tier
+    restarted = dcpstore.Checkpointer(remote, local_tier=local, **store.options)
+    latest = restarted.latest()
+    assert latest == 2 and latest.local  # type: ignore[union-attr]
+    assert restarted.load(out) == 2
+    assert_state_equal(out, _state(2))
+    restarted.close()
+    logger.info("drain crash run: %s", line)
+    if report_path:
+        with open(report_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
