@@ -752,12 +752,20 @@ DEFAULT_SYSTEMS: dict[str, list[str]] = {
 }
 
 
+#: Labels of the stall suite's systems (:mod:`benchmarks.stall_systems`) start with this.
+STALL_PREFIX = "stall:"
+
+
 def get(label: str) -> System:
     """The system called ``label`` (``name`` or ``name[variant]``).
 
     Raises:
         KeyError: No such system.
     """
+    if label.startswith(STALL_PREFIX):  # the stall suite's systems (benchmarks.stall)
+        from .stall_systems import get as get_stall
+
+        return get_stall(label[len(STALL_PREFIX):])
     name, variant = split_variant(label)
     if name not in _SYSTEMS:
         raise KeyError(f"unknown system {name!r}; known: {', '.join(_SYSTEMS)}")

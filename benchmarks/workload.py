@@ -328,6 +328,10 @@ class RankState:
             self._concat = buf
         return self._concat
 
+    def release_destination(self) -> None:
+        """Free the load destination (the stall suite's large states need the memory)."""
+        self._destination = None
+
     def verify(self) -> bool:
         """Whether the destination holds exactly the expected bytes (bit-exact)."""
         if self._destination is None:
