@@ -11,7 +11,7 @@ PLUGINS = $(wildcard backends/*/pyproject.toml)
 # setup.py installs the DCPSTORE_DCP_ROUTING start-up hook (.pth) beside the package
 PACKAGING = pyproject.toml setup.py dcpstore-dcp-routing.pth _dcpstore_dcp_routing.py
 
-.PHONY: setup demo test lint typecheck bench bench-quick clean
+.PHONY: setup demo test lint typecheck bench bench-quick bench-stall bench-stall-quick clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,14 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/python -m benchmarks --quick --out benchmarks/results/tmp/quick
+
+# The stall suite (issue 14; docs/performance.md "Stall"): full defaults take hours on 2
+# cores (the script prints its estimate); the quick run is a smoke test.
+bench-stall: setup
+	$(BIN)/python -m benchmarks.stall --out benchmarks/results/stall
+
+bench-stall-quick: setup
+	$(BIN)/python -m benchmarks.stall --quick --out benchmarks/results/tmp/stall-quick
 
 lint: setup
 	$(BIN)/ruff check dcpstore backends tests benchmarks
