@@ -26,7 +26,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dcpstore.testing.servers import S3Server, fake_gcs_server, moto_server, seaweedfs_server
+from dcpstore.testing.servers import (
+    S3Server,
+    fake_gcs_server,
+    gcs_object_names,
+    moto_server,
+    seaweedfs_server,
+)
 
 __all__ = ["BUCKET", "STORE_KINDS", "StoreInfo", "Stores"]
 
@@ -251,23 +257,8 @@ def _s3_delete_prefix(server: Any, bucket: str, prefix: str) -> None:
 
 
 def _gcs_delete_prefix(info: StoreInfo, prefix: str) -> None:
-    import json
-
     base = f"{info.endpoint_url}/storage/v1/b/{info.root}/o"
-    names: list[str] = []
-    token = ""
-    while True:
-        query = {"prefix": prefix}
-        if token:
-            query["pageToken"] = token
-        with urllib.request.urlopen(f"{base}?{urllib.parse.urlencode(query)}",
-                                    timeout=30) as resp:
-            page = json.load(resp)
-        names += [item["name"] for item in page.get("items", [])]
-        token = page.get("nextPageToken", "")
-        if not token:
-            break
-    for name in names:
+    for name in gcs_object_names(info.endpoint_url or "", info.root, prefix):
         req = urllib.request.Request(f"{base}/{urllib.parse.quote(name, safe='')}",
                                      method="DELETE")
         with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=30):

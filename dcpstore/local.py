@@ -29,7 +29,7 @@ from typing_extensions import Buffer
 
 from .backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
 
-__all__ = ["LocalBackend", "LocalOptions", "read_file_into"]
+__all__ = ["FileUpload", "LocalBackend", "LocalOptions", "read_file_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +78,37 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return fn
 
 
-class _FileUpload(Upload):
-    def __init__(self, backend: LocalBackend, key: str) -> None:
-        self.backend = backend
+class FileUpload(Upload):
+    """An upload written straight into a POSIX file, ``fsync``-ed at commit.
+
+    Used by the local backend and by other backends' POSIX paths (MSC).
+
+    Args:
+        key: The key reported in errors and in the committed :class:`ObjectInfo`.
+        path: The file the object lands in (parent directories are created).
+        fsync: ``fsync`` the file at commit.
+        writeback: With ``fsync``, start the write-back of every this many bytes as they
+            are written (Linux ``sync_file_range``); 0 leaves all of it to the ``fsync``.
+        via_temp: Write ``.<name>.<id>.tmp`` beside ``path`` and rename it over ``path``
+            at commit, for a target that may already exist or be read meanwhile; without
+            it the file is created at ``path`` (which must not exist) and removed on abort.
+    """
+
+    def __init__(self, key: str, path: str, *, fsync: bool, writeback: int = 0,
+                 via_temp: bool = False) -> None:
         self.key = key
-        self.path = backend._path(key)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.path = path
+        parent, name = os.path.split(path)
+        os.makedirs(parent, exist_ok=True)
+        self._temp = (os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+                      if via_temp else None)
         self._fd: int | None = os.open(
-            self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            self._temp or path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644,
         )
         self._size = 0
-        options = backend.options
-        self._writeback = options.writeback if options.fsync else 0
+        self._fsync = fsync
+        self._writeback = writeback if fsync else 0
         self._kick = _sync_file_range() if self._writeback else None
         self._flushed = 0  # bytes whose write-back was started
 
@@ -118,13 +137,16 @@ class _FileUpload(Upload):
             raise ValueError(f"upload of {self.key!r} is already closed")
         fd, self._fd = self._fd, None
         try:
-            if self.backend.options.fsync:
-                os.fsync(fd)
+            try:
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self._temp is not None:
+                os.replace(self._temp, self.path)
         except BaseException:
-            os.close(fd)
-            _unlink_quietly(self.path)
+            _unlink_quietly(self._temp or self.path)
             raise
-        os.close(fd)
         return ObjectInfo(self.key, self._size)
 
     def abort(self) -> None:
@@ -132,7 +154,7 @@ class _FileUpload(Upload):
             return
         fd, self._fd = self._fd, None
         os.close(fd)
-        _unlink_quietly(self.path)
+        _unlink_quietly(self._temp or self.path)
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -193,7 +215,9 @@ class LocalBackend(Backend):
     # -- primitives --------------------------------------------------------------------
 
     def _open_upload(self, key: str) -> Upload:
-        return _FileUpload(self, key)
+        options = self.options
+        return FileUpload(key, self._path(key), fsync=options.fsync,
+                          writeback=options.writeback)
 
     def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         read_file_into(self._path(key), offset, outs)

@@ -295,7 +295,7 @@ def install_crash_hooks() -> None:
     _around(Backend, "delete", lambda *a, **k: "delete")
     _around(Backend, "get", lambda *a, **k: "get", after=False)
     _around(Backend, "list", lambda *a, **k: "list", after=False)
-    _around(dcpstore.local._FileUpload, "commit", lambda *a, **k: "upload.commit")
+    _around(dcpstore.local.FileUpload, "commit", lambda *a, **k: "upload.commit")
     _around(dcpstore.multipart.MultipartUpload, "commit", lambda *a, **k: "upload.commit")
     _around(dcpstore.multipart.MultipartUpload, "_run_part", lambda *a, **k: "part")
     # the local commit point itself: the rename of the temporary .metadata

@@ -1,10 +1,13 @@
-"""Rank functions for multi-process FSDP2 tests (importable by spawned ranks).
+"""FSDP2 set-up and rank functions for multi-process tests (importable by spawned ranks).
 
-Any backend's tests can use them: pass a URI and the backend options.
+The one small sharded model of the tests (:func:`build`), its training steps, its
+sharded and gathered state, and a load into it; any backend's tests use the rank
+functions :func:`save_fsdp` / :func:`load_fsdp`: pass a URI and the backend options.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -21,37 +24,56 @@ from torch.distributed.fsdp import fully_shard
 
 import dcpstore
 
-__all__ = ["build", "full_state", "load_fsdp", "save_fsdp"]
+__all__ = [
+    "Net",
+    "build",
+    "full_state",
+    "load_fsdp",
+    "load_into",
+    "save_fsdp",
+    "sharded_state",
+    "train",
+]
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Net(nn.Module):
+    """A small MLP whose layers FSDP2 shards (odd sizes: uneven shards)."""
+
+    IN = 12
+
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Linear(16, 64)
-        self.blocks = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
-        self.head = nn.Linear(64, 5, bias=False)
+        self.inp = nn.Linear(self.IN, 40)
+        self.blocks = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 40))
+        self.out = nn.Linear(40, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.blocks(torch.relu(self.embed(x)))))
+        for layer in (self.inp, *self.blocks):
+            x = torch.relu(layer(x))
+        return self.out(x)
 
 
-def build(world_size: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(world_size: int, seed: int) -> tuple[Net, torch.optim.Optimizer]:
+    """A :class:`Net` seeded with ``seed``, each block and then the root sharded with
+    FSDP2 over a 1-D CPU mesh of ``world_size`` ranks, and its AdamW."""
     torch.manual_seed(seed)
     model = Net()
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, optim
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int = 7) -> list[float]:
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int = 7,
+          batch: int = 8) -> list[float]:
+    """``steps`` optimizer steps on random inputs (seeded per rank); the losses."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     losses = []
     for _ in range(steps):
-        x = torch.randn(8, 16, generator=g)
-        loss = model(x).pow(2).mean()
+        loss = model(torch.randn(batch, Net.IN, generator=g)).pow(2).mean()
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -59,16 +81,25 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int 
     return losses
 
 
+def sharded_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model", "optim"}``: the sharded state dicts DCP saves and loads in place."""
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """Gathered model + optimizer state (every rank gets it; tensors on CPU)."""
-    msd, osd = get_state_dict(
-        model,
-        optim,
-        options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False
-        ),
-    )
-    return {"model": msd, "optim": osd}
+    msd, osd = get_state_dict(model, optim, options=_FULL)
+    # a copy: some values (the optimizer's "step") come back by reference
+    return copy.deepcopy({"model": msd, "optim": osd})
+
+
+def load_into(model: nn.Module, optim: torch.optim.Optimizer, **load_args: Any) -> None:
+    """``dcp.load(**load_args)`` into the sharded state of ``model`` and ``optim``."""
+    state = sharded_state(model, optim)
+    dcp.load(state, **load_args)
+    set_state_dict(model, optim, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
 
 def save_fsdp(
@@ -76,8 +107,7 @@ def save_fsdp(
 ) -> dict[str, Any] | None:
     model, optim = build(world_size, seed=1)
     train(model, optim, steps=2)
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, storage_writer=dcpstore.get_writer(uri, **options))
+    dcp.save(sharded_state(model, optim), storage_writer=dcpstore.get_writer(uri, **options))
     full = full_state(model, optim)
     return full if rank == 0 else None
 
@@ -86,9 +116,6 @@ def load_fsdp(
     rank: int, world_size: int, uri: str, options: dict[str, Any]
 ) -> dict[str, Any] | None:
     model, optim = build(world_size, seed=99)  # different init: everything must come from disk
-    msd, osd = get_state_dict(model, optim)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, storage_reader=dcpstore.get_reader(uri, **options))
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_into(model, optim, storage_reader=dcpstore.get_reader(uri, **options))
     full = full_state(model, optim)
     return full if rank == 0 else None

@@ -10,70 +10,23 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from fsdp_workers import build, full_state, load_into, sharded_state, train
 from mp import run_ranks
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dcpstore
 
 __all__ = ["fsdp_load", "fsdp_save", "run_ranks"]
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-class Net(nn.Module):
-    """A small MLP whose layers FSDP2 shards (odd sizes: uneven shards)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 40)
-        self.blocks = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 40))
-        self.out = nn.Linear(40, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.inp(x))
-        for block in self.blocks:
-            x = torch.relu(block(x))
-        return self.out(x)
-
-
-def _build(world_size: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = Net()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": get_model_state_dict(model, options=_FULL),
-            "optim": get_optimizer_state_dict(model, optim, options=_FULL)}
 
 
 def fsdp_save(rank: int, world_size: int, uri: str, options: dict[str, Any],
               reference: str) -> dict[str, Any]:
     """Train one step of an FSDP2 model + AdamW, save it with dcpstore to ``uri``; rank 0
     writes the full (unsharded) state to ``reference``. Returns the rank's S3 requests."""
-    model, optim = _build(world_size, seed=1)
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(8, 12, generator=g)
-    model(x).pow(2).mean().backward()
-    optim.step()
-    optim.zero_grad()
-    model_sd, optim_sd = get_state_dict(model, optim)
+    model, optim = build(world_size, seed=1)
+    train(model, optim, 1, seed=100)
     writer = dcpstore.get_writer(uri, **options)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
-    full = _full_state(model, optim)
+    dcp.save(sharded_state(model, optim), storage_writer=writer)
+    full = full_state(model, optim)
     if rank == 0:
         torch.save(full, reference)
     backend = writer.backend
@@ -84,14 +37,10 @@ def fsdp_load(rank: int, world_size: int, uri: str, options: dict[str, Any],
               reference: str) -> dict[str, Any]:
     """Load ``uri`` into a freshly initialized FSDP2 model + AdamW at this world size and
     compare the full state with ``reference`` bit for bit (on rank 0)."""
-    model, optim = _build(world_size, seed=2)  # different init: the load must overwrite it
-    model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd}
+    model, optim = build(world_size, seed=2)  # different init: the load must overwrite it
     reader = dcpstore.get_reader(uri, **options)
-    dcp.load(state, storage_reader=reader)
-    set_state_dict(model, optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    full = _full_state(model, optim)
+    load_into(model, optim, storage_reader=reader)
+    full = full_state(model, optim)
     mismatches: list[str] = []
     compared = 0
     if rank == 0:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import urllib.parse
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import pytest
 
 import dcpstore
 from dcpstore.backend import Backend
-from dcpstore.testing.servers import isolate_env, msc_s3_profile
+from dcpstore.testing.servers import gcs_object_names, isolate_env, msc_s3_profile
 
 __all__ = ["BUCKET", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files"]
 
@@ -126,8 +124,8 @@ class Store:
             return set(tree_files(uri))
         bucket, prefix = self._bucket_prefix(uri)
         if self.kind == "gcs":
-            return {name[len(prefix):] for name in _gcs_names(self.upstream or "", bucket,
-                                                                prefix)}
+            names = gcs_object_names(self.upstream or "", bucket, prefix)
+            return {name[len(prefix):] for name in names}
         client = self.server.client()
         try:
             pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
@@ -148,21 +146,6 @@ class Store:
             return [u["Key"] for u in response.get("Uploads", ())]
         finally:
             client.close()
-
-
-def _gcs_names(endpoint: str, bucket: str, prefix: str) -> list[str]:
-    base = f"{endpoint}/storage/v1/b/{bucket}/o"
-    names: list[str] = []
-    token = ""
-    while True:
-        query = {"prefix": prefix, **({"pageToken": token} if token else {})}
-        with urllib.request.urlopen(f"{base}?{urllib.parse.urlencode(query)}",
-                                    timeout=30) as resp:
-            page = json.load(resp)
-        names += [item["name"] for item in page.get("items", [])]
-        token = page.get("nextPageToken", "")
-        if not token:
-            return names
 
 
 def make_store(name: str, area: str, local_dir: Path, servers: dict[str, Any],

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ __all__ = [
     "fake_gcs_server",
     "free_port",
     "free_ports",
+    "gcs_object_names",
     "isolate_env",
     "moto_server",
     "msc_s3_profile",
@@ -395,6 +397,23 @@ class FakeGCSServer:
         except urllib.error.HTTPError as exc:
             if exc.code != 409:
                 raise
+
+
+def gcs_object_names(endpoint_url: str, bucket: str, prefix: str) -> list[str]:
+    """Every object name under ``prefix`` in ``bucket``, listed page by page through the
+    GCS JSON API at ``endpoint_url`` (fake-gcs-server)."""
+    base = f"{endpoint_url}/storage/v1/b/{bucket}/o"
+    names: list[str] = []
+    token = ""
+    while True:
+        query = {"prefix": prefix, **({"pageToken": token} if token else {})}
+        with urllib.request.urlopen(f"{base}?{urllib.parse.urlencode(query)}",
+                                    timeout=30) as resp:
+            page = json.load(resp)
+        names += [item["name"] for item in page.get("items", [])]
+        token = page.get("nextPageToken", "")
+        if not token:
+            return names
 
 
 @contextlib.contextmanager

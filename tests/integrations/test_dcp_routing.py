@@ -3,7 +3,6 @@ go through dcpstore when ``DCPSTORE_DCP_ROUTING=1`` or ``enable()`` says so."""
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import site
@@ -15,18 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsdp_workers import build, full_state, load_into, sharded_state, train
 from mp import run_ranks
-from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dcpstore
 from dcpstore.integrations import dcp_routing
@@ -34,8 +25,7 @@ from dcpstore.integrations.dcp_routing import (
     DcpRoutingUnsupportedError,
     MangledURIError,
 )
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+from dcpstore.testing import assert_state_equal
 
 
 def _manifests(uri: str) -> list[str]:
@@ -58,84 +48,26 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> Any:
 # -- rank functions (run in spawned processes) ----------------------------------------
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 40)
-        self.blocks = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 40))
-        self.out = nn.Linear(40, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in (self.inp, *self.blocks):
-            x = torch.relu(layer(x))
-        return self.out(x)
-
-
-def _fsdp(world_size: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = _Net()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
-    g = torch.Generator().manual_seed(11 + dist.get_rank())
-    for _ in range(steps):
-        model(torch.randn(4, 12, generator=g)).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
-
-
-def _full(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    msd, osd = get_state_dict(model, optim, options=_FULL)
-    # a copy: some values (the optimizer's "step") come back by reference
-    return copy.deepcopy({"model": msd, "optim": osd})
-
-
 def _save_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """2 ranks: plain dcp.save and dcp.async_save by checkpoint_id, routing enabled."""
     dcp_routing.enable(propagate=False)
-    model, optim = _fsdp(world_size, seed=3)
-    _train(model, optim, 2)
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/step-2")
-    first = _full(model, optim)
-    _train(model, optim, 1)
-    msd, osd = get_state_dict(model, optim)
-    future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/step-3")
+    model, optim = build(world_size, seed=3)
+    train(model, optim, 2, seed=11, batch=4)
+    dcp.save(sharded_state(model, optim), checkpoint_id=f"{root}/step-2")
+    first = full_state(model, optim)
+    train(model, optim, 1, seed=11, batch=4)
+    future = dcp.async_save(sharded_state(model, optim), checkpoint_id=f"{root}/step-3")
     future.result()
-    return {"step-2": first, "step-3": _full(model, optim)}
+    return {"step-2": first, "step-3": full_state(model, optim)}
 
 
 def _load_ranks(rank: int, world_size: int, root: str, step: str) -> dict[str, Any]:
     """Any world size: plain dcp.load by checkpoint_id into a fresh FSDP2 model."""
     dcp_routing.enable(propagate=False)
-    model, optim = _fsdp(world_size, seed=99)
-    _train(model, optim, 1)  # optimizer state exists, with other values
-    msd, osd = get_state_dict(model, optim)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=f"{root}/{step}")
-    set_state_dict(model, optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    return _full(model, optim)
-
-
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys differ"
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    model, optim = build(world_size, seed=99)
+    train(model, optim, 1, seed=11, batch=4)  # optimizer state exists, with other values
+    load_into(model, optim, checkpoint_id=f"{root}/{step}")
+    return full_state(model, optim)
 
 
 # -- tests ------------------------------------------------------------------------------
@@ -151,9 +83,9 @@ def test_fsdp2_plain_dcp_save_to_s3_routed(s3_root: str) -> None:
     for step in ("step-2", "step-3"):
         assert _manifests(f"{s3_root}/{step}"), f"{step} was not written by dcpstore"
     loaded = run_ranks(_load_ranks, 1, s3_root, "step-2")[0]
-    _assert_same(loaded, saved["step-2"], "step-2")
+    assert_state_equal(loaded, saved["step-2"], "step-2")
     loaded = run_ranks(_load_ranks, 1, s3_root, "step-3")[0]
-    _assert_same(loaded, saved["step-3"], "step-3")
+    assert_state_equal(loaded, saved["step-3"], "step-3")
 
 
 _SCRIPT = """

@@ -6,7 +6,6 @@ FSDP2 model on 2 gloo ranks; the trainer itself is not run (it needs a CUDA devi
 
 from __future__ import annotations
 
-import copy
 import os
 import uuid
 from pathlib import Path
@@ -15,46 +14,31 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_workers import Net, build, full_state
 from mp import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
-    get_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dcpstore
 from dcpstore.integrations.dcp_routing import MangledURIError
 from dcpstore.integrations.torchtitan import DcpstoreCheckpointManager, committed_steps
+from dcpstore.testing import assert_state_equal
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 STEPS = 5
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 40)
-        self.layers = nn.ModuleList([nn.Linear(40, 40), nn.Linear(40, 40)])
-        self.out = nn.Linear(40, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in (self.inp, *self.layers):
-            x = torch.relu(layer(x))
-        return self.out(x)
 
 
 class _Optimizers(Stateful):
     """What torchtitan's OptimizersContainer saves: a flattened optimizer state dict."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model = model
-        self.optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.optim = optim
 
     def state_dict(self) -> dict[str, Any]:
         return get_optimizer_state_dict(self.model, self.optim, options=_FLAT)
@@ -77,13 +61,8 @@ class _Counter(Stateful):
 
 
 def _setup(world_size: int, seed: int) -> tuple[nn.Module, _Optimizers, _Counter, _Counter]:
-    torch.manual_seed(seed)
-    model = _Net()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, _Optimizers(model), _Counter(), _Counter()
+    model, optim = build(world_size, seed)
+    return model, _Optimizers(model, optim), _Counter(), _Counter()
 
 
 def _manager(folder: str, model: nn.Module, optimizers: _Optimizers, train_state: _Counter,
@@ -95,8 +74,7 @@ def _manager(folder: str, model: nn.Module, optimizers: _Optimizers, train_state
 
 
 def _full(model: nn.Module, optimizers: _Optimizers, train_state: _Counter) -> dict[str, Any]:
-    msd, osd = get_state_dict(model, optimizers.optim, options=_FULL)
-    return copy.deepcopy({"model": msd, "optim": osd, "train_step": train_state.step})
+    return {**full_state(model, optimizers.optim), "train_step": train_state.step}
 
 
 def _train_and_save(rank: int, world_size: int, folders: list[str]) -> dict[str, Any]:
@@ -137,21 +115,6 @@ def _resume(rank: int, world_size: int, folders: list[str]) -> dict[str, Any]:
     return out
 
 
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys differ"
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _step_dirs(folder: str) -> list[str]:
     backend = dcpstore.open_backend(folder)
     try:
@@ -188,14 +151,14 @@ def test_torchtitan_checkpoint_manager_s3_and_local(s3_root: str, tmp_path: Path
     resumed = run_ranks(_resume, 1, folders)[0]
     for folder in folders:
         assert resumed[folder]["train_step"] == STEPS
-        _assert_same(resumed[folder], saved[folder], folder)
+        assert_state_equal(resumed[folder], saved[folder], folder)
 
 
 def test_mangled_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``Path("s3://b/run")`` became ``s3:/b/run``: refused, no ./s3: directory."""
     monkeypatch.chdir(tmp_path)
-    model = _Net()
-    optimizers = _Optimizers(model)
+    model = Net()
+    optimizers = _Optimizers(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(MangledURIError, match="lost a slash"):
         _manager(str(Path(f"s3://bucket/{uuid.uuid4().hex}")), model, optimizers, _Counter(),
                  _Counter(), keep_latest_k=0)

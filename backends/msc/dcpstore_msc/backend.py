@@ -45,7 +45,6 @@ import logging
 import os
 import tempfile
 import threading
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -61,7 +60,7 @@ from dcpstore.errors import (
     StoreThrottledError,
     StoreTimeoutError,
 )
-from dcpstore.local import read_file_into
+from dcpstore.local import FileUpload, read_file_into
 from dcpstore.redact import install_log_redaction, redact
 from dcpstore.uri import ParsedURI
 
@@ -300,55 +299,6 @@ class _SpooledUpload(Upload):
                 os.unlink(spool.name)
 
 
-class _PosixUpload(Upload):
-    """Straight into ``.<name>.<id>.tmp`` beside the target, renamed over it at commit."""
-
-    def __init__(self, backend: MSCBackend, key: str, path: str) -> None:
-        self.backend = backend
-        self.key = key
-        self.path = path
-        parent, name = os.path.split(path)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
-        self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._size = 0
-
-    def write(self, data: Buffer) -> int:
-        if self._fd is None:
-            raise ValueError(f"upload of {self.key!r} is already closed")
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            view = view[os.write(self._fd, view):]
-        self._size += total
-        return total
-
-    def commit(self) -> ObjectInfo:
-        if self._fd is None:
-            raise ValueError(f"upload of {self.key!r} is already closed")
-        fd, self._fd = self._fd, None
-        try:
-            if self.backend.options.fsync:
-                os.fsync(fd)
-            os.close(fd)
-            os.replace(self.tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp)
-            raise
-        return ObjectInfo(self.key, self._size)
-
-    def abort(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tmp)
-
-
 # -- the backend ---------------------------------------------------------------------------
 
 
@@ -467,7 +417,8 @@ class MSCBackend(Backend):
     def _open_upload(self, key: str) -> Upload:
         path = self._posix_path(key)
         if path is not None:
-            return _PosixUpload(self, key, path)
+            # straight into ``.<name>.<id>.tmp`` beside the target, renamed over it at commit
+            return FileUpload(key, path, fsync=self.options.fsync, via_temp=True)
         return _SpooledUpload(self, key)
 
     def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
