@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 
 import dcpstore
 from dcpstore.backend import Backend
+from dcpstore.local import LocalBackend
 from dcpstore.testing.servers import gcs_object_names, isolate_env, msc_s3_profile
 
 __all__ = ["BUCKET", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files"]
@@ -205,3 +207,19 @@ def build_store(name: str, request: pytest.FixtureRequest, tmp_path: Path,
     found.options.update(extra)
     isolate_env(monkeypatch, extra=found.env)
     return found
+
+
+class GatedBackend(LocalBackend):
+    """Local files whose data uploads wait for a gate (a slow store)."""
+
+    name = "gated"
+    schemes = ("gated",)
+    gate = threading.Event()
+
+    @classmethod
+    def from_uri(cls, uri: Any, options: Any) -> Any:
+        return cls("/" + uri.location, options)
+
+    def _open_upload(self, key: str) -> Any:
+        assert self.gate.wait(30)
+        return super()._open_upload(key)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from mp import run_killable, run_ranks
-from stores import Store, full_requested, make_store
+from stores import GatedBackend, Store, full_requested, make_store
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -112,18 +112,6 @@ def test_commits_locally_then_drains_and_tells_where(tmp_path: Path,
     again.close()
 
 
-class _GatedBackend(LocalBackend):
-    gate = threading.Event()
-
-    @classmethod
-    def from_uri(cls, uri: Any, options: Any) -> Any:
-        return cls("/" + uri.location, options)
-
-    def _open_upload(self, key: str) -> Any:
-        assert self.gate.wait(30)
-        return super()._open_upload(key)
-
-
 class _FlakyBackend(LocalBackend):
     failures = 0  # uploads still to fail
 
@@ -140,12 +128,12 @@ class _FlakyBackend(LocalBackend):
 
 @pytest.fixture
 def custom_backends() -> Any:
-    dcpstore.register_backend("gated", _GatedBackend, clobber=True)
+    dcpstore.register_backend("gated", GatedBackend, clobber=True)
     dcpstore.register_backend("flaky", _FlakyBackend, clobber=True)
     try:
         yield
     finally:
-        _GatedBackend.gate.set()
+        GatedBackend.gate.set()
         _FlakyBackend.failures = 0
         registry._reset_for_tests()
 
@@ -156,7 +144,7 @@ def test_remote_shows_a_step_only_when_drained(mode: str | None, tmp_path: Path,
     remote = tmp_path / "remote"
     ckpt = dcpstore.Checkpointer(f"gated:/{remote}", local_tier=str(tmp_path / "local"),
                                  async_mode=mode)  # type: ignore[arg-type]
-    _GatedBackend.gate.clear()
+    GatedBackend.gate.clear()
     ckpt.save(1, _state(1))  # returns: the drain waits at the gate
     deadline = time.monotonic() + 30
     while not (tmp_path / "local" / "step-000000001" / ".metadata").exists():
@@ -164,7 +152,7 @@ def test_remote_shows_a_step_only_when_drained(mode: str | None, tmp_path: Path,
         time.sleep(0.05)
     assert [s.where for s in ckpt.steps()] == ["local"]
     assert not (remote / "step-000000001" / ".metadata").exists()
-    _GatedBackend.gate.set()
+    GatedBackend.gate.set()
     ckpt.wait()
     assert [s.where for s in ckpt.steps()] == ["both"]
     assert ckpt.last_timings["durable_s"] is not None

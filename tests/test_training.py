@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from stores import GatedBackend
 from torch import nn
 
 import dcpstore
@@ -78,40 +78,24 @@ def test_bad_checkpointer_arguments(tmp_path: Path) -> None:
         dcpstore.Checkpointer(str(tmp_path), async_mode="later")  # type: ignore[arg-type]
 
 
-class _GatedBackend(LocalBackend):
-    """Local files whose data uploads wait for a gate (a slow store)."""
-
-    name = "gated"
-    schemes = ("gated",)
-    gate = threading.Event()
-
-    @classmethod
-    def from_uri(cls, uri: Any, options: Any) -> Any:
-        return cls("/" + uri.location, options)
-
-    def _open_upload(self, key: str) -> Any:
-        assert self.gate.wait(30)
-        return super()._open_upload(key)
-
-
 def test_async_save_visible_only_when_committed(tmp_path: Path) -> None:
-    dcpstore.register_backend("gated", _GatedBackend, clobber=True)
+    dcpstore.register_backend("gated", GatedBackend, clobber=True)
     try:
-        _GatedBackend.gate.clear()
+        GatedBackend.gate.clear()
         ckpt = dcpstore.Checkpointer(f"gated:/{tmp_path}", keep_last=1, async_mode="thread")
-        _GatedBackend.gate.set()
+        GatedBackend.gate.set()
         ckpt.save(1, {"w": torch.ones(3)})
         ckpt.wait()
-        _GatedBackend.gate.clear()
+        GatedBackend.gate.clear()
         ckpt.save(2, {"w": torch.full((3,), 2.0)})  # returns after staging
         assert ckpt.latest() == 1, "an async save must not be visible before it commits"
-        _GatedBackend.gate.set()
+        GatedBackend.gate.set()
         ckpt.wait()
         assert ckpt.steps() == [2]
         out = {"w": torch.zeros(3)}
         assert ckpt.load(out) == 2 and torch.equal(out["w"], torch.full((3,), 2.0))
     finally:
-        _GatedBackend.gate.set()
+        GatedBackend.gate.set()
         registry._reset_for_tests()
 
 
