@@ -69,6 +69,14 @@ class ReaderOptions:
             they are loaded with ``weights_only`` semantics and anything else is refused.
         allow_unsafe_metadata: Unpickle ``.metadata`` without restriction (for custom
             planners that store their own classes in it).
+        broadcast_reads: Read once, share: bytes that several ranks of a ``dcp.load``
+            need (replicated tensors, optimizer scalars, every replica of an HSDP group)
+            are fetched from the store by one of them and sent to the others over the
+            process group, where each rank verifies them against the manifest; only the
+            coordinator reads ``.metadata`` and the manifest. ``None`` (default): on for
+            every backend but the local filesystem (where each rank reading the file is
+            as fast); ``True``: on for every backend; ``False``: every rank reads what it
+            needs itself. See :mod:`dcpstore.read_share`.
     """
 
     verify: bool = True
@@ -76,6 +84,7 @@ class ReaderOptions:
     max_range: int = 64 * 1024 * 1024
     allow_pickle: bool = False
     allow_unsafe_metadata: bool = False
+    broadcast_reads: bool | None = None
 
 
 def env_prefix(backend: str) -> str:

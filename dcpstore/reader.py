@@ -4,11 +4,14 @@ The reader itself only follows DCP's calls; the work is done by one module per j
 
 - :mod:`dcpstore.metadata_io`: load ``.metadata`` and the integrity manifest safely;
 - :mod:`dcpstore.read_plan`: which bytes each read item needs, coalesced into ranges;
-- :mod:`dcpstore.delivery`: lay out each range's buffers, fetch, verify, deliver.
+- :mod:`dcpstore.delivery`: lay out each range's buffers, fetch, verify, deliver;
+- :mod:`dcpstore.read_share`: read once, share: bytes several ranks need are fetched by
+  one and sent to the others, and only the coordinator reads ``.metadata``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -23,10 +26,21 @@ from . import layout
 from .backend import Backend
 from .delivery import Delivery, fetch_and_deliver
 from .errors import CheckpointNotFoundError, DcpstoreError, IntegrityError
+from .local import LocalBackend
 from .manifest import Manifest
-from .metadata_io import load_metadata, read_manifest
+from .metadata_io import load_metadata, parse_metadata, read_manifest
 from .options import ReaderOptions
-from .read_plan import ChunkIndex, chunk_index, coalesce, plan_reads
+from .read_plan import ChunkIndex, ItemRead, chunk_index, coalesce, plan_reads
+from .read_share import (
+    RankShare,
+    ShareContext,
+    UnitKey,
+    broadcast_blobs,
+    exchange,
+    plan_sharing,
+    share_context,
+    unit_key,
+)
 from .resolve import open_backend
 
 __all__ = ["Reader", "ReaderOptions"]
@@ -97,8 +111,14 @@ class Reader(StorageReader):
         #: Tensor items of the last ``read_data`` that needed only part of a saved chunk
         #: (a reshard) and were served by fetching just the payload blocks around it.
         self.items_partial = 0
+        #: Bytes of the last ``read_data`` received from other ranks (read once, share).
+        self.bytes_received = 0
+        #: Bytes of the last ``read_data`` this rank fetched and sent to other ranks.
+        self.bytes_sent = 0
         #: Why the last ``read_metadata`` failed (DCP wraps it in an AssertionError).
         self.metadata_error: BaseException | None = None
+        #: The ranks this load shares reads with (``None``: it reads alone).
+        self._share: ShareContext | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.backend.uri!r})"
@@ -130,11 +150,14 @@ class Reader(StorageReader):
         self.storage_data = {}
         self.manifest = None
         self.metadata_error = None
+        self._share = None
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read and validate ``.metadata`` (and the manifest it names)."""
         try:
+            if kwargs.get("rank") is None:
+                self._share = self._share_context()
             return self._read_metadata(*args, **kwargs)
         except BaseException as exc:
             if kwargs.get("rank") is None:
@@ -149,6 +172,8 @@ class Reader(StorageReader):
             raise IntegrityError(f"{self.backend.uri}/.metadata has no storage_data")
         self.storage_data = metadata.storage_data
         self._chunks = chunk_index(metadata)
+        if not kwargs.get("use_collectives", True):
+            self._share = None
         if self.manifest is None and self.options.verify:
             # read_metadata ran on another object (e.g. metadata passed in directly)
             self.manifest = self._read_manifest(metadata)
@@ -158,28 +183,61 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Pass-through."""
-        return plans
+        """Give each byte range several ranks need to one of them (read once, share)."""
+        if self._share is None:
+            return plans
+        requests = [plan_reads(p.items, self.storage_data, self.manifest, self._chunks,
+                               uri=self.backend.uri) for p in plans]
+        shares = plan_sharing(requests)
+        if shares and shares[0].shared_bytes:
+            logger.info("%s: %d bytes needed by several ranks are fetched once and shared",
+                        self.backend.uri, shares[0].shared_bytes)
+        return [dataclasses.replace(p, storage_data=s)
+                for p, s in zip(plans, shares, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch, verify and deliver the items of this rank's ``plan``."""
         requests = plan_reads(plan.items, self.storage_data, self.manifest, self._chunks,
                               uri=self.backend.uri)
-        ranges = coalesce(requests, self.options.coalesce_gap, self.options.max_range)
+        share = plan.storage_data if self._share is not None else None
+        if self._share is not None and not isinstance(share, RankShare):
+            raise DcpstoreError(
+                "the load plan carries no dcpstore read schedule (the planner's finish_plan "
+                "dropped LoadPlan.storage_data); load with broadcast_reads=False"
+            )
+        shared: dict[UnitKey, list[ItemRead]] = {}
+        if share is not None:
+            keys = {u.key for window in share.windows for u in window}
+            for request in requests:
+                if unit_key(request) in keys:
+                    shared.setdefault(unit_key(request), []).append(request)
+        private = [r for r in requests if unit_key(r) not in shared]
+        ranges = coalesce(private, self.options.coalesce_gap, self.options.max_range)
         self.bytes_needed = sum(r.needed for r in requests)
         self.bytes_read = sum(r.length for r in ranges)
         self.requests = len(ranges)
+        self.bytes_received = self.bytes_sent = 0
         self.items_partial = sum(r.partial is not None for r in requests)
-        logger.debug("%s: %d items (%d partial) in %d ranges, %d bytes (%d needed)",
-                     self.backend.uri, len(requests), self.items_partial, len(ranges),
-                     self.bytes_read, self.bytes_needed)
         self.items_direct = 0
         delivery = Delivery(self.backend.uri, planner, self.manifest, self._chunks,
                             self._transforms, allow_pickle=self.options.allow_pickle)
         try:
+            if share is not None and self._share is not None:
+                # shared first: the other ranks wait for what this one fetches for them
+                stats = exchange(self._share, share, self.backend, shared, delivery,
+                                 gap=self.options.coalesce_gap,
+                                 max_range=self.options.max_range)
+                self.bytes_read += stats.bytes_fetched
+                self.requests += stats.requests
+                self.bytes_received, self.bytes_sent = stats.bytes_received, stats.bytes_sent
             fetch_and_deliver(self.backend, ranges, delivery)
         finally:
             self.items_direct = delivery.items_direct
+        logger.debug("%s: %d items (%d partial, %d shared) in %d requests, %d bytes fetched "
+                     "(%d needed), %d received from and %d sent to other ranks",
+                     self.backend.uri, len(requests), self.items_partial,
+                     sum(map(len, shared.values())), self.requests, self.bytes_read,
+                     self.bytes_needed, self.bytes_received, self.bytes_sent)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -192,15 +250,56 @@ class Reader(StorageReader):
                 f"{self.backend.uri}: rank-local metadata (use_collectives=False) is not "
                 "a dcpstore checkpoint format"
             )
-        metadata, raw = load_metadata(self.backend, trusted=self.options.allow_unsafe_metadata,
-                                      diagnose_missing=True)
-        self.manifest = self._read_manifest(metadata)
+        if self._share is not None:
+            metadata, raw, self.manifest = self._shared_metadata(self._share)
+        else:
+            metadata, raw = load_metadata(self.backend,
+                                          trusted=self.options.allow_unsafe_metadata,
+                                          diagnose_missing=True)
+            self.manifest = self._read_manifest(metadata)
         if self.manifest is not None:
             self.manifest.check_metadata(raw, source=f"{self.backend.uri}/.metadata")
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _share_context(self) -> ShareContext | None:
+        """The ranks this load shares reads with, per ``broadcast_reads``."""
+        wanted = self.options.broadcast_reads
+        if wanted is False or (wanted is None and isinstance(self.backend, LocalBackend)):
+            return None
+        return share_context()
+
+    def _shared_metadata(self, share: ShareContext
+                         ) -> tuple[Metadata, bytes, Manifest | None]:
+        """``.metadata`` and the manifest, read by the coordinator alone and broadcast."""
+        mine: list[Any] = []  # the coordinator's parsed copies
+
+        def read() -> list[bytes | None]:
+            metadata, raw = load_metadata(self.backend,
+                                          trusted=self.options.allow_unsafe_metadata,
+                                          diagnose_missing=True)
+            manifest = self._read_manifest(metadata)
+            mine.extend((metadata, raw, manifest))
+            return [raw, None if manifest is None else manifest.to_bytes()]
+
+        raw, raw_manifest = broadcast_blobs(share, read, 2)
+        if mine:
+            return mine[0], mine[1], mine[2]
+        assert raw is not None
+        source = f"{self.backend.uri}/{layout.METADATA_KEY}"
+        metadata = parse_metadata(raw, source=source,
+                                  trusted=self.options.allow_unsafe_metadata)
+        manifest = None
+        if raw_manifest is not None:
+            save_id = str(layout.save_id_of_metadata(metadata, source=source))
+            manifest = Manifest.from_bytes(
+                raw_manifest, source=f"{self.backend.uri}/{layout.manifest_key(save_id)}")
+            if manifest.save_id != save_id:
+                raise IntegrityError(f"{self.backend.uri}: the manifest belongs to save "
+                                     f"{manifest.save_id}, not {save_id}")
+        return metadata, raw, manifest
 
     def _read_manifest(self, metadata: Metadata) -> Manifest | None:
         if not self.options.verify:
