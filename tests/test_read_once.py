@@ -9,6 +9,7 @@ rank that received it (an error on each, never garbage).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -16,8 +17,13 @@ import pytest
 from mp import run_ranks
 from read_once_workers import read_once_run
 from stores import build_store
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 import dcpstore
+from dcpstore.read_plan import ItemRead
+from dcpstore.read_share import plan_sharing
 from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
 
 pytestmark = pytest.mark.multiprocess
@@ -87,3 +93,58 @@ def test_read_once_replicated_and_hsdp(request: pytest.FixtureRequest, tmp_path:
     assert isinstance(bad, dict) and sorted(bad) == list(range(WORLD)), bad
     for rank, error in bad.items():
         assert error.startswith("IntegrityError") and "model.w1" in error, (rank, error)
+
+
+# -- the schedule alone (no ranks) --------------------------------------------------------
+
+
+def _requests(*ranges: tuple[str, int, int]) -> list[ItemRead]:
+    return [ItemRead(ReadItem(LoadItemType.BYTE_IO, MetadataIndex(f"{path}@{off}"),
+                              [0], MetadataIndex(f"{path}@{off}"), [0], [length]),
+                     _StorageInfo(path, off, length), off, length)
+            for path, off, length in ranges]
+
+
+def test_plan_sharing_splits_balances_and_leaves_private_ranges_alone() -> None:
+    big = ("__0_0.distcp", 0, 40 * 1024)
+    small = [("__0_0.distcp", 40 * 1024 + 100 * i, 100) for i in range(20)]
+    own = ("__1_0.distcp", 0, 500)
+    everyone = [big, *small]
+    shares = plan_sharing([_requests(*everyone, own), _requests(*everyone),
+                           _requests(*everyone), _requests(*everyone)], min_piece=4096)
+    assert len({len(s.windows) for s in shares}) == 1
+    units = [u for w in shares[0].windows for u in w]
+    assert [u.key for u in units] == sorted(everyone)  # the private range is not shared
+    assert all(u.needers == (0, 1, 2, 3) for u in units)
+    pieces = [p for u in units for p in u.pieces]
+    big_pieces = [p for p in pieces if p.key[0] == big[0] and p.key[1] < big[2]]
+    assert len(big_pieces) == 4 and sum(p.key[2] for p in big_pieces) == big[2]
+    fetched = Counter[int]()
+    for piece in pieces:
+        fetched[piece.owner] += piece.key[2]
+    total = sum(k[2] for k in everyone)
+    assert sum(fetched.values()) == total
+    assert max(fetched.values()) <= total / 4 + 4096, fetched
+    # pieces each rank owns come in runs: few range requests per rank
+    runs = sum(1 for a, b in itertools.pairwise(pieces) if a.owner != b.owner)
+    assert runs <= 6, [p.owner for p in pieces]
+
+
+def test_plan_sharing_hsdp_pairs_and_windows() -> None:
+    shard = [("__0_0.distcp", i * 1000, 1000) for i in range(8)]
+    # ranks 0 and 2 need the even shards, 1 and 3 the odd ones (2 x 2 mesh)
+    plans = [_requests(*shard[r % 2::2]) for r in range(4)]
+    shares = plan_sharing(plans, window_bytes=2000)
+    assert len({len(s.windows) for s in shares}) == 1 and len(shares[0].windows) == 4
+    for rank, share in enumerate(shares):
+        for unit in (u for w in share.windows for u in w):
+            assert rank in unit.needers and set(unit.needers) in ({0, 2}, {1, 3})
+            assert all(p.owner in unit.needers for p in unit.pieces)
+    assert plan_sharing([_requests(shard[0]), _requests(shard[1])])[0].windows == []
+
+
+def test_broadcast_reads_option_from_the_uri() -> None:
+    for query, value in (("", None), ("?broadcast_reads=false", False),
+                         ("?broadcast_reads=true", True)):
+        reader = dcpstore.get_reader(f"s3://b/ckpt{query}", endpoint_url="http://127.0.0.1:9")
+        assert reader.options.broadcast_reads is value
