@@ -398,28 +398,25 @@ def _fetch(backend: Backend, units: Sequence[Piece], others: set[tuple[str, int]
     return out
 
 
-def _deliver(delivery: Delivery, key: UnitKey, items: list[ItemRead], data: memoryview
-             ) -> None:
-    """Deliver one unit's bytes through the same layout and checks as a fetched range."""
+def _deliver(delivery: Delivery, key: UnitKey, items: list[ItemRead],
+             chunks: Sequence[memoryview]) -> None:
+    """Deliver one unit's bytes (``chunks``, in order) through the same layout and checks
+    as a fetched range: copied once, into the buffers a fetch would have filled."""
     segments, deliveries = delivery.layout(CoalescedRange(key[0], key[1], key[2], items))
-    pos = 0
+    sources = iter(chunks)
+    source, at = memoryview(b""), 0
     for segment in segments:
-        segment[:] = data[pos : pos + len(segment)]
-        pos += len(segment)
+        filled = 0
+        while filled < len(segment):
+            if at == len(source):
+                source, at = next(sources), 0
+                continue
+            n = min(len(segment) - filled, len(source) - at)
+            segment[filled : filled + n] = source[at : at + n]
+            filled += n
+            at += n
     for deliver in deliveries:
         deliver()
-
-
-def _assemble(unit: SharedUnit, data: dict[UnitKey, memoryview]) -> memoryview:
-    """A unit's bytes from its pieces (copied together when there are several)."""
-    if len(unit.pieces) == 1:
-        return data[unit.pieces[0].key]
-    out = uninitialized_buffer(unit.key[2])
-    pos = 0
-    for piece in unit.pieces:
-        out[pos : pos + piece.key[2]] = data[piece.key]
-        pos += piece.key[2]
-    return out
 
 
 def _as_tensor(view: memoryview) -> torch.Tensor:
@@ -476,8 +473,13 @@ def exchange(ctx: ShareContext, share: RankShare, backend: Backend,
             else:
                 recvs.setdefault(piece.owner, []).append(piece)
         ops: list[dist.P2POp] = []
+        messages: dict[tuple[UnitKey, ...], torch.Tensor] = {}  # one copy per content
         for peer, units in sorted(sends.items()):
-            message = torch.cat([_as_tensor(data[u.key]) for u in units])
+            content = tuple(u.key for u in units)
+            if content not in messages:
+                messages[content] = (_as_tensor(data[units[0].key]) if len(units) == 1
+                                     else torch.cat([_as_tensor(data[k]) for k in content]))
+            message = messages[content]
             stats.bytes_sent += message.numel()
             ops.append(dist.P2POp(dist.isend, message, group=ctx.group, group_peer=peer))
         inbox: list[tuple[list[Piece], torch.Tensor]] = []
@@ -499,7 +501,8 @@ def exchange(ctx: ShareContext, share: RankShare, backend: Backend,
             try:
                 for unit in window:
                     if unit.key in mine:
-                        _deliver(delivery, unit.key, mine[unit.key], _assemble(unit, data))
+                        _deliver(delivery, unit.key, mine[unit.key],
+                                 [data[p.key] for p in unit.pieces])
             except BaseException as exc:
                 error = exc  # the others hear of it at the next window's status
     if error is not None:
