@@ -12,8 +12,11 @@ off, ``--runs`` times:
   and replicated across the two groups (each byte is needed by 2 ranks).
 
 Stores: SeaweedFS behind a :class:`dcpstore.testing.FaultProxy` with no faults, which
-counts the bytes and requests it serves (rank 0 runs it and reads it between loads), and
-a local directory (no proxy: wall time only). Results go to ``results.json`` and
+counts the bytes and requests it serves (rank 0 runs it and reads it between loads);
+the same behind a proxy that also caps what the store serves, all clients together, at
+``--egress`` MiB/s (``seaweedfs-capped``: a store whose bandwidth is the bottleneck, as
+when many nodes load the same checkpoint); and a local directory (no proxy: wall time
+only). Results go to ``results.json`` and
 ``results.md`` under ``--out``, with the commit they were measured at.
 """
 
@@ -78,8 +81,32 @@ def _hsdp(mib: int, fill: bool) -> dict[str, Any]:
     }
 
 
+def _capped_proxy(upstream: str, plan: Any, mib_per_s: float) -> Any:
+    """A counting proxy that serves at most ``mib_per_s`` MiB/s, all connections
+    together (each response chunk waits for its turn at that rate)."""
+    import threading
+
+    from dcpstore.testing.faultproxy import FaultProxy
+
+    class CappedProxy(FaultProxy):
+        rate = mib_per_s * MiB
+        _pace = threading.Lock()
+        _free_at = 0.0
+
+        def _count_down(self, n: int) -> None:
+            super()._count_down(n)
+            with self._pace:
+                start = max(time.monotonic(), self._free_at)
+                self._free_at = start + n / self.rate
+                wait = self._free_at - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+
+    return CappedProxy(upstream, plan)
+
+
 def _rank(rank: int, port: int, seaweed: dict[str, Any], local_dir: str, mib: int,
-          runs: int, queue: Any) -> None:
+          runs: int, egress: float, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(seaweed["env"])
     import torch
@@ -93,36 +120,42 @@ def _rank(rank: int, port: int, seaweed: dict[str, Any], local_dir: str, mib: in
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=600))
     gets: Counter[str] = Counter()
-    proxy = None
-    endpoint = [None]
+    proxies: dict[str, Any] = {}
+    endpoints: list[Any] = [None, None]
     if rank == 0:
         def count(info: RequestInfo) -> bool:
             if info.method == "GET":
                 gets[info.object_name.rsplit("/", 1)[-1]] += 1
             return False
 
-        proxy = FaultProxy(seaweed["endpoint"], FaultPlan(match=count)).start()
-        endpoint = [proxy.endpoint_url]
-    dist.broadcast_object_list(endpoint, src=0)
+        proxies["seaweedfs"] = FaultProxy(seaweed["endpoint"], FaultPlan(match=count)).start()
+        proxies["seaweedfs-capped"] = _capped_proxy(seaweed["endpoint"],
+                                                    FaultPlan(match=count), egress).start()
+        endpoints = [proxies["seaweedfs"].endpoint_url,
+                     proxies["seaweedfs-capped"].endpoint_url]
+    dist.broadcast_object_list(endpoints, src=0)
     direct = {"endpoint_url": seaweed["endpoint"]}
-    counted = {"endpoint_url": endpoint[0]}
+    counted = {"seaweedfs": {"endpoint_url": endpoints[0]},
+               "seaweedfs-capped": {"endpoint_url": endpoints[1]}}
     run_id = seaweed["run"]
     rows: list[dict[str, Any]] = []
     try:
         for scenario, make in (("replicated", _replicated), ("hsdp", _hsdp)):
-            for store in ("seaweedfs", "local"):
-                uri = (f"s3://bench/{run_id}/{scenario}" if store == "seaweedfs"
-                       else os.path.join(local_dir, scenario))
-                dcpstore.save(make(mib, True), uri, **(direct if store == "seaweedfs" else {}))
-                unique = 0
-                if rank == 0 and store == "seaweedfs":
-                    backend = dcpstore.open_backend(uri, **direct)
-                    unique = sum(o.size for o in backend.list())
-                    backend.close()
+            s3_uri = f"s3://bench/{run_id}/{scenario}"
+            dcpstore.save(make(mib, True), s3_uri, **direct)
+            dcpstore.save(make(mib, True), os.path.join(local_dir, scenario))
+            unique = 0
+            if rank == 0:
+                backend = dcpstore.open_backend(s3_uri, **direct)
+                unique = sum(o.size for o in backend.list())
+                backend.close()
+            for store in ("seaweedfs", "seaweedfs-capped", "local"):
+                uri = os.path.join(local_dir, scenario) if store == "local" else s3_uri
+                proxy = proxies.get(store)
                 for mode in ("off", "on"):
                     for run in range(runs):
                         state = make(mib, False)
-                        options = dict(counted if store == "seaweedfs" else {})
+                        options = dict(counted.get(store, {}))
                         options["broadcast_reads"] = mode == "on"
                         reader = dcpstore.get_reader(uri, **options)
                         dist.barrier()
@@ -140,7 +173,7 @@ def _rank(rank: int, port: int, seaweed: dict[str, Any], local_dir: str, mib: in
                                 "scenario": scenario, "store": store, "sharing": mode,
                                 "run": run, "seconds": max(times),
                             }
-                            if store == "seaweedfs" and proxy is not None:
+                            if proxy is not None:
                                 st = proxy.snapshot()
                                 row.update(unique_bytes=unique, bytes_fetched=st.bytes_down,
                                            requests=st.total_requests,
@@ -150,15 +183,16 @@ def _rank(rank: int, port: int, seaweed: dict[str, Any], local_dir: str, mib: in
             queue.put(rows)
         dist.barrier()
     finally:
-        if proxy is not None:
+        for proxy in proxies.values():
             proxy.stop()
     os._exit(0)
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
+    stores = ["seaweedfs", "seaweedfs-capped", "local"]
     keys = sorted({(r["scenario"], r["store"], r["sharing"]) for r in rows},
-                  key=lambda k: (k[0] != "replicated", k[1] != "seaweedfs", k[2]))
+                  key=lambda k: (k[0] != "replicated", stores.index(k[1]), k[2]))
     for scenario, store, sharing in keys:
         group = [r for r in rows if (r["scenario"], r["store"], r["sharing"])
                  == (scenario, store, sharing)]
@@ -180,8 +214,10 @@ def _markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# Read-once loads",
         "",
-        f"`python -m benchmarks.read_once --mib {meta['mib']} --runs {meta['runs']}` at "
-        f"commit `{meta['commit']}`, {meta['world']} gloo ranks on {meta['machine']}.",
+        f"`python -m benchmarks.read_once --mib {meta['mib']} --runs {meta['runs']} "
+        f"--egress {meta['egress']:g}` at commit `{meta['commit']}`, {meta['world']} gloo "
+        f"ranks on {meta['machine']}. seaweedfs-capped: the store serves at most "
+        f"{meta['egress']:g} MiB/s.",
         "",
         "| state | store | sharing | store bytes | x unique | requests | `.metadata` GETs "
         "| load s (median) |",
@@ -204,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="replicated state per rank")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--egress", type=float, default=256.0,
+                        help="MiB/s the capped store serves, all clients together")
     parser.add_argument("--out", default="benchmarks/results/read_once")
     args = parser.parse_args(argv)
 
@@ -216,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                    "run": f"read-once-{int(time.time())}"}
         queue = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, port, seaweed, local_dir, args.mib,
-                                                 args.runs, queue)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank,
+                             args=(r, port, seaweed, local_dir, args.mib, args.runs,
+                                   args.egress, queue))
+                 for r in range(WORLD)]
         for p in procs:
             p.start()
         rows = queue.get(timeout=1800)
@@ -226,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     meta = {"commit": commit, "world": WORLD, "mib": args.mib, "runs": args.runs,
+            "egress": args.egress,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                        f"Python {platform.python_version()}"}
     summary = _summary(rows)

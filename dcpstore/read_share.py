@@ -33,6 +33,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -64,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 #: Upper bound of the shared bytes one window holds (each rank buffers at most the
 #: units it owns or receives in one window, plus a single larger unit).
-WINDOW_BYTES = 256 * 1024 * 1024
+WINDOW_BYTES = 64 * 1024 * 1024
 
 #: Smallest piece a shared unit is split into, so that one large tensor is fetched by
 #: several ranks (each range request still reaches the store's full speed).
@@ -104,8 +105,10 @@ class ShareContext:
         return self.rank == self.coordinator
 
 
-def _dcp_wrapper() -> Any:
-    """DCP's ``_DistWrapper`` of the ``dcp.load`` running on this thread, if any."""
+def _dcp_wrapper(reader: Any) -> Any:
+    """DCP's ``_DistWrapper`` of the ``dcp.load`` running on this thread with ``reader``
+    as its storage reader, if any (a reader used otherwise, even inside a load, reads
+    alone)."""
     try:
         from torch.distributed.checkpoint.utils import _DistWrapper
     except ImportError:  # pragma: no cover - torch moved it
@@ -114,9 +117,11 @@ def _dcp_wrapper() -> Any:
     for _ in range(32):
         if frame is None:
             return None
-        for value in frame.f_locals.values():
-            if isinstance(value, _DistWrapper):
-                return value
+        scope = frame.f_locals
+        if scope.get("storage_reader") is reader:
+            for value in scope.values():
+                if isinstance(value, _DistWrapper):
+                    return value
         frame = frame.f_back
     return None
 
@@ -125,17 +130,17 @@ def _moves_cpu_tensors(group: Any) -> bool:
     return any(name in str(dist.get_backend(group)) for name in ("gloo", "mpi"))
 
 
-def share_context() -> ShareContext | None:
-    """The process group of the ``dcp.load`` calling this, or ``None`` when there is no
-    one to share with (one rank, ``no_dist=True``, no process group, or a group whose
-    backend cannot move CPU tensors and is not the world).
+def share_context(reader: Any) -> ShareContext | None:
+    """The process group of the ``dcp.load`` calling this with ``reader``, or ``None``
+    when there is no one to share with (one rank, ``no_dist=True``, no process group, or
+    a group whose backend cannot move CPU tensors and is not the world).
 
     Collective when it returns a context for the first time over an NCCL-only world: it
     makes the gloo side group there (every rank of the load calls it at the same point).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    wrapper = _dcp_wrapper()
+    wrapper = _dcp_wrapper(reader)
     if wrapper is None or not wrapper.use_dist:
         return None
     group = wrapper.group
@@ -269,7 +274,7 @@ def _split(key: UnitKey, ways: int, min_piece: int) -> list[UnitKey]:
 
 
 def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
-                 window_bytes: int = WINDOW_BYTES, min_piece: int | None = None
+                 window_bytes: int | None = None, min_piece: int | None = None
                  ) -> list[RankShare]:
     """Give every byte range that two or more ranks need to one of them.
 
@@ -282,7 +287,7 @@ def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
 
     Args:
         requests: Each rank's read requests (:func:`~dcpstore.read_plan.plan_reads`).
-        window_bytes: Shared bytes per window.
+        window_bytes: Shared bytes per window (default :data:`WINDOW_BYTES`).
         min_piece: Smallest piece a unit is split into (default :data:`MIN_PIECE`).
 
     Returns:
@@ -294,6 +299,7 @@ def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
             needers.setdefault(unit_key(req), set()).add(rank)
     shared = {k: tuple(sorted(r)) for k, r in needers.items() if len(r) >= 2}
     piece_size = MIN_PIECE if min_piece is None else min_piece
+    window = WINDOW_BYTES if window_bytes is None else window_bytes
     pieces = {k: _split(k, len(shared[k]), piece_size) for k in shared}
     # each rank's fair share: its part of every piece it needs
     fair = [0.0] * len(requests)
@@ -319,7 +325,7 @@ def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
     windows: list[list[SharedUnit]] = []
     size = 0
     for key in sorted(shared):
-        if not windows or (size and size + key[2] > window_bytes):
+        if not windows or (size and size + key[2] > window):
             windows.append([])
             size = 0
         windows[-1].append(SharedUnit(key, shared[key],
@@ -444,67 +450,92 @@ def exchange(ctx: ShareContext, share: RankShare, backend: Backend,
     """
     stats = ExchangeStats()
     error: BaseException | None = None
-    for window in share.windows:
-        transfers = [(p, u.needers) for u in window for p in u.pieces]
-        owned = [p for p, _ in transfers if p.owner == ctx.rank]
-        data: dict[UnitKey, memoryview] = {}
-        if error is None:
-            try:
-                others = {p.key[:2] for p, _ in transfers if p.owner != ctx.rank}
-                data = _fetch(backend, owned, others, mine, gap, max_range, stats)
-            except BaseException as exc:
-                error = exc
-        failed = torch.zeros(ctx.size, dtype=torch.int32)
-        failed[ctx.rank] = error is not None
-        dist.all_reduce(failed, group=ctx.group)
-        if failed.any():
-            if error is not None:
-                raise error
-            ranks = ", ".join(str(r) for r in failed.nonzero().flatten().tolist())
-            raise PeerReadError(f"rank(s) {ranks} of this load failed to fetch or check "
-                                f"bytes shared with rank {ctx.rank}; see their errors")
-        sends: dict[int, list[Piece]] = {}
-        recvs: dict[int, list[Piece]] = {}
-        for piece, needers in transfers:
-            if piece.owner == ctx.rank:
-                for peer in needers:
-                    if peer != ctx.rank:
-                        sends.setdefault(peer, []).append(piece)
-            else:
-                recvs.setdefault(piece.owner, []).append(piece)
-        ops: list[dist.P2POp] = []
-        messages: dict[tuple[UnitKey, ...], torch.Tensor] = {}  # one copy per content
-        for peer, units in sorted(sends.items()):
-            content = tuple(u.key for u in units)
-            if content not in messages:
-                messages[content] = (_as_tensor(data[units[0].key]) if len(units) == 1
-                                     else torch.cat([_as_tensor(data[k]) for k in content]))
-            message = messages[content]
-            stats.bytes_sent += message.numel()
-            ops.append(dist.P2POp(dist.isend, message, group=ctx.group, group_peer=peer))
-        inbox: list[tuple[list[Piece], torch.Tensor]] = []
-        for peer, units in sorted(recvs.items()):
-            buf = torch.empty(sum(u.key[2] for u in units), dtype=torch.uint8)
-            stats.bytes_received += buf.numel()
-            inbox.append((units, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, group=ctx.group, group_peer=peer))
-        if ops:
-            for work in dist.batch_isend_irecv(ops) or ():
-                work.wait()
-        for pieces, buf in inbox:
-            view = buf.numpy().data.cast("B")
-            pos = 0
-            for piece in pieces:
-                data[piece.key] = view[pos : pos + piece.key[2]]
-                pos += piece.key[2]
-        if error is None:
-            try:
-                for unit in window:
-                    if unit.key in mine:
-                        _deliver(delivery, unit.key, mine[unit.key],
-                                 [data[p.key] for p in unit.pieces])
-            except BaseException as exc:
-                error = exc  # the others hear of it at the next window's status
+
+    def fetch(window: list[SharedUnit]) -> dict[UnitKey, memoryview]:
+        pieces = [p for u in window for p in u.pieces]
+        owned = [p for p in pieces if p.owner == ctx.rank]
+        others = {p.key[:2] for p in pieces if p.owner != ctx.rank}
+        return _fetch(backend, owned, others, mine, gap, max_range, stats)
+
+    # the next window's pieces are fetched while this one is exchanged and delivered
+    with ThreadPoolExecutor(1, thread_name_prefix="dcpstore-share") as prefetch:
+        ahead = prefetch.submit(fetch, share.windows[0]) if share.windows else None
+        try:
+            for index, window in enumerate(share.windows):
+                current, ahead = ahead, None
+                if error is None and index + 1 < len(share.windows):
+                    ahead = prefetch.submit(fetch, share.windows[index + 1])
+                error = _window(ctx, window, current, mine, delivery, stats, error)
+        finally:
+            if ahead is not None:
+                ahead.cancel()  # or wait for it: the pool's exit joins its thread
     if error is not None:
         raise error
     return stats
+
+
+def _window(ctx: ShareContext, window: list[SharedUnit],
+            fetched: Future[dict[UnitKey, memoryview]] | None,
+            mine: dict[UnitKey, list[ItemRead]], delivery: Delivery, stats: ExchangeStats,
+            error: BaseException | None) -> BaseException | None:
+    """One window: agree that every fetch worked, exchange, deliver. Returns this
+    rank's error so far (the others hear of it at the next window's status)."""
+    transfers = [(p, u.needers) for u in window for p in u.pieces]
+    data: dict[UnitKey, memoryview] = {}
+    if error is None and fetched is not None:
+        try:
+            data = fetched.result()
+        except BaseException as exc:
+            error = exc
+    failed = torch.zeros(ctx.size, dtype=torch.int32)
+    failed[ctx.rank] = error is not None
+    dist.all_reduce(failed, group=ctx.group)
+    if failed.any():
+        if error is not None:
+            raise error
+        ranks = ", ".join(str(r) for r in failed.nonzero().flatten().tolist())
+        raise PeerReadError(f"rank(s) {ranks} of this load failed to fetch or check "
+                            f"bytes shared with rank {ctx.rank}; see their errors")
+    sends: dict[int, list[Piece]] = {}
+    recvs: dict[int, list[Piece]] = {}
+    for piece, needers in transfers:
+        if piece.owner == ctx.rank:
+            for peer in needers:
+                if peer != ctx.rank:
+                    sends.setdefault(peer, []).append(piece)
+        else:
+            recvs.setdefault(piece.owner, []).append(piece)
+    ops: list[dist.P2POp] = []
+    messages: dict[tuple[UnitKey, ...], torch.Tensor] = {}  # one copy per content
+    for peer, units in sorted(sends.items()):
+        content = tuple(u.key for u in units)
+        if content not in messages:
+            messages[content] = (_as_tensor(data[units[0].key]) if len(units) == 1
+                                 else torch.cat([_as_tensor(data[k]) for k in content]))
+        message = messages[content]
+        stats.bytes_sent += message.numel()
+        ops.append(dist.P2POp(dist.isend, message, group=ctx.group, group_peer=peer))
+    inbox: list[tuple[list[Piece], torch.Tensor]] = []
+    for peer, units in sorted(recvs.items()):
+        buf = torch.empty(sum(u.key[2] for u in units), dtype=torch.uint8)
+        stats.bytes_received += buf.numel()
+        inbox.append((units, buf))
+        ops.append(dist.P2POp(dist.irecv, buf, group=ctx.group, group_peer=peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops) or ():
+            work.wait()
+    for pieces, buf in inbox:
+        view = buf.numpy().data.cast("B")
+        pos = 0
+        for piece in pieces:
+            data[piece.key] = view[pos : pos + piece.key[2]]
+            pos += piece.key[2]
+    if error is None:
+        try:
+            for unit in window:
+                if unit.key in mine:
+                    _deliver(delivery, unit.key, mine[unit.key],
+                             [data[p.key] for p in unit.pieces])
+        except BaseException as exc:
+            error = exc  # the others hear of it at the next window's status
+    return error

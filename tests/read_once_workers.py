@@ -91,9 +91,10 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
     """Save the replicated and the HSDP state, then load each through its own proxy
     (``via[phase]``: backend options aimed at it); load a corrupted copy last."""
     out: dict[str, Any] = {}
-    # small pieces, so that these small tensors are split over fetching ranks as large
-    # ones are by default
+    # small pieces and windows, so that these small tensors are split over fetching
+    # ranks and several windows as large ones are by default
     read_share.MIN_PIECE = 64 * 1024
+    read_share.WINDOW_BYTES = 256 * 1024
     dcpstore.save(replicated_state(True), roots["rep"], **direct)
     dcpstore.save(hsdp_state(True), roots["hsdp"], **direct)
     dcpstore.save(replicated_state(True), roots["bad"], **direct)
