@@ -49,6 +49,8 @@ from .read_plan import CoalescedRange, ItemRead
 
 __all__ = [
     "MIN_PIECE",
+    "WINDOW_BYTES",
+    "ExchangeStats",
     "PeerReadError",
     "Piece",
     "RankShare",

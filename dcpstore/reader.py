@@ -58,13 +58,16 @@ class Reader(StorageReader):
         reset(checkpoint_id)              every rank; a new load
         read_metadata()                   every rank: restricted unpickle of .metadata,
                                           stored paths validated, manifest fetched
+                                          (sharing: by the coordinator, broadcast)
         set_up_storage_reader(md, ...)    every rank
         prepare_local_plan(plan)          every rank (pass-through)
-        prepare_global_plan(plans)        coordinator (pass-through)
-        read_data(plan, planner)          every rank: group items by file, sort by
-                                          offset, coalesce neighbours, fetch ranges
-                                          concurrently, verify CRC32C, copy into the
-                                          destination tensors
+        prepare_global_plan(plans)        coordinator: with sharing, give each byte
+                                          range several ranks need to one of them
+        read_data(plan, planner)          every rank: shared ranges fetched by their
+                                          owners and exchanged; then group the rest by
+                                          file, sort by offset, coalesce neighbours,
+                                          fetch ranges concurrently; verify CRC32C,
+                                          copy into the destination tensors
 
     Only the byte ranges of the items in this rank's plan are fetched, and on a reshard
     (N -> M) a rank that needs part of a saved chunk fetches only the payload blocks
@@ -72,7 +75,8 @@ class Reader(StorageReader):
     (``Payload.block_crcs``), instead of the whole item: a reshard reads about what the
     rank needs, not whole items or files. Payloads are read straight into the
     destination tensors where their layout allows (a scatter read), so most bytes are
-    never copied after they arrive.
+    never copied after they arrive. Bytes several ranks need are fetched once and
+    shared over the process group (``broadcast_reads``, :mod:`dcpstore.read_share`).
 
     Args:
         backend: Where the checkpoint is.
@@ -269,7 +273,7 @@ class Reader(StorageReader):
         wanted = self.options.broadcast_reads
         if wanted is False or (wanted is None and isinstance(self.backend, LocalBackend)):
             return None
-        return share_context()
+        return share_context(self)
 
     def _shared_metadata(self, share: ShareContext
                          ) -> tuple[Metadata, bytes, Manifest | None]:
