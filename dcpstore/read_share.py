@@ -250,7 +250,7 @@ class SharedUnit:
     each (a large unit is split, so that no rank fetches much more than its share)."""
 
     key: UnitKey
-    needers: tuple[int, ...]
+    needers: tuple[int, ...]  # empty in the plan of a rank that sends none of it
     pieces: tuple[Piece, ...]
 
 
@@ -334,8 +334,17 @@ def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
                                       tuple(Piece(p, owners[p]) for p in pieces[key])))
         size += key[2]
     total = sum(k[2] for k in shared)
-    return [RankShare([[u for u in w if rank in u.needers] for w in windows], total)
+    return [RankShare([[_for_rank(u, rank) for u in w if rank in u.needers] for w in windows],
+                      total)
             for rank in range(len(requests))]
+
+
+def _for_rank(unit: SharedUnit, rank: int) -> SharedUnit:
+    """``unit`` as ``rank`` needs to know it: who needs it only where ``rank`` sends some
+    of it (keeps each rank's plan small at large world sizes)."""
+    if any(p.owner == rank for p in unit.pieces):
+        return unit
+    return SharedUnit(unit.key, (), unit.pieces)
 
 
 # -- running the schedule -----------------------------------------------------------------
