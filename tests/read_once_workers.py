@@ -98,8 +98,12 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
     dcpstore.save(replicated_state(True), roots["rep"], **direct)
     dcpstore.save(hsdp_state(True), roots["hsdp"], **direct)
     dcpstore.save(replicated_state(True), roots["bad"], **direct)
+    dcpstore.save(replicated_state(True), roots["gone"], **direct)
     if rank == 0:
         corrupt_payload_byte(roots["bad"], direct, "model.w1")
+        backend = dcpstore.open_backend(roots["gone"], **direct)
+        files = [o for o in backend.list() if o.key.endswith(".distcp")]
+        backend.delete([max(files, key=lambda o: o.size).key])
     dist.barrier()
 
     for phase, root, make, extra in (
@@ -123,4 +127,10 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
             + str(f[0] if isinstance(f, tuple) else f)
             for r, f in exc.failures.items()
         }
+    # a data file gone: its fetching ranks fail, the others stop with them (no hang)
+    try:
+        dcpstore.load(replicated_state(False), roots["gone"], **direct)
+        out["gone"] = "loaded"
+    except Exception as exc:
+        out["gone"] = f"{type(exc).__name__}: {exc}"
     return out

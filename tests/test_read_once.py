@@ -3,8 +3,9 @@ SeaweedFS through counting proxies.
 
 One launch checks: the bytes each load fetches from the store (about the unique bytes
 with sharing, about 4x without), that only the coordinator GETs ``.metadata`` and the
-manifest, bit-exact results, and that a byte corrupted in the store is caught by every
-rank that received it (an error on each, never garbage).
+manifest, bit-exact results, that a byte corrupted in the store is caught by every
+rank that received it (an error on each, never garbage), and that a data file gone
+fails every rank with the fetching rank's error instead of leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _counting(gets: Counter[str]) -> FaultPlan:
 def test_read_once_replicated_and_hsdp(request: pytest.FixtureRequest, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     store = build_store("seaweedfs", request, tmp_path, monkeypatch)
-    roots = {name: store.uri(name) for name in ("rep", "hsdp", "bad")}
+    roots = {name: store.uri(name) for name in ("rep", "hsdp", "bad", "gone")}
     gets = {phase: Counter[str]() for phase in PHASES}
     proxies = {phase: FaultProxy(store.upstream or "", _counting(gets[phase]))
                for phase in PHASES}
@@ -93,6 +94,9 @@ def test_read_once_replicated_and_hsdp(request: pytest.FixtureRequest, tmp_path:
     assert isinstance(bad, dict) and sorted(bad) == list(range(WORLD)), bad
     for rank, error in bad.items():
         assert error.startswith("IntegrityError") and "model.w1" in error, (rank, error)
+    # a data file gone: every rank raises the fetching rank's error, none hangs
+    for rank, r in enumerate(results):
+        assert r["gone"].startswith("IntegrityError") and "is missing" in r["gone"], (rank, r)
 
 
 # -- the schedule alone (no ranks) --------------------------------------------------------
