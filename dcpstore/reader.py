@@ -9,6 +9,7 @@ The reader itself only follows DCP's calls; the work is done by one module per j
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -24,9 +25,10 @@ from .backend import Backend
 from .delivery import Delivery, fetch_and_deliver
 from .errors import CheckpointNotFoundError, DcpstoreError, IntegrityError
 from .manifest import Manifest
-from .metadata_io import load_metadata, read_manifest
+from .metadata_io import check_references, load_metadata, read_manifest, references_in
 from .options import ReaderOptions
 from .read_plan import ChunkIndex, chunk_index, coalesce, plan_reads
+from .references import root_key, run_root
 from .resolve import open_backend
 
 __all__ = ["Reader", "ReaderOptions"]
@@ -99,6 +101,8 @@ class Reader(StorageReader):
         self.items_partial = 0
         #: Why the last ``read_metadata`` failed (DCP wraps it in an AssertionError).
         self.metadata_error: BaseException | None = None
+        # run root and this checkpoint's name in it, when it references sibling steps
+        self._run_root: tuple[Backend, str] | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.backend.uri!r})"
@@ -131,6 +135,9 @@ class Reader(StorageReader):
         self.manifest = None
         self.metadata_error = None
         self.load_id = uuid.uuid4().hex
+        if self._run_root is not None:
+            self._run_root[0].close()
+            self._run_root = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read and validate ``.metadata`` (and the manifest it names)."""
@@ -152,6 +159,7 @@ class Reader(StorageReader):
         if self.manifest is None and self.options.verify:
             # read_metadata ran on another object (e.g. metadata passed in directly)
             self.manifest = self._read_manifest(metadata)
+        self._bind_references(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Pass-through."""
@@ -174,12 +182,18 @@ class Reader(StorageReader):
                      self.backend.uri, len(requests), self.items_partial, len(ranges),
                      self.bytes_read, self.bytes_needed)
         self.items_direct = 0
+        source = self.backend
+        if self._run_root is not None:  # an incremental checkpoint: read via the run root
+            source, name = self._run_root
+            ranges = [dataclasses.replace(r, key=root_key(name, r.key)) for r in ranges]
         delivery = Delivery(self.backend.uri, planner, self.manifest, self._chunks,
                             self._transforms, allow_pickle=self.options.allow_pickle)
         try:
-            fetch_and_deliver(self.backend, ranges, delivery)
+            fetch_and_deliver(source, ranges, delivery)
         finally:
             self.items_direct = delivery.items_direct
+            if source is not self.backend:
+                source.close()  # its threads and client; made again if used again
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -201,6 +215,20 @@ class Reader(StorageReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _bind_references(self, metadata: Metadata) -> None:
+        """Admit references into sibling steps (recorded in the manifest) and open the
+        run root they are read through."""
+        if self._run_root is not None or not references_in(metadata):
+            return
+        manifest = self.manifest
+        if manifest is None:  # verify=False: still only the references the save made
+            save_id = layout.save_id_of_metadata(metadata,
+                                                 source=f"{self.backend.uri}/.metadata")
+            manifest = read_manifest(self.backend, save_id, required=True,
+                                     hint=" (its references cannot be checked without it)")
+        check_references(metadata, manifest, source=f"{self.backend.uri}/.metadata")
+        self._run_root = run_root(self.backend)
 
     def _read_manifest(self, metadata: Metadata) -> Manifest | None:
         if not self.options.verify:
