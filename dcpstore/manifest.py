@@ -78,21 +78,25 @@ class FileRecord:
             "items": [list(i) for i in self.items],
         }
         if self.payloads:
-            doc["payloads"] = [[o, p.start, p.nbytes, list(p.block_crcs),
-                                *([p.digest] if p.digest else [])]
+            doc["payloads"] = [[o, p.start, p.nbytes, list(p.block_crcs)]
                                for o, p in sorted(self.payloads.items())]
+            digests = [[o, p.digest] for o, p in sorted(self.payloads.items()) if p.digest]
+            if digests:  # a list of its own: manifests without it read as before
+                doc["digests"] = digests
         return doc
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FileRecord:
+        digests = {int(o): str(d) for o, d in data.get("digests", [])}
+        for digest in digests.values():
+            if not _DIGEST_RE.match(digest):
+                raise ValueError(f"payload digest {digest!r} is not 32 hex digits")
         payloads = {}
         for entry in data.get("payloads", []):
             offset, start, nbytes, *rest = entry
             crcs = tuple(int(c) for c in rest[0]) if rest else ()
-            digest = str(rest[1]) if len(rest) > 1 else ""
-            if digest and not _DIGEST_RE.match(digest):
-                raise ValueError(f"payload digest {digest!r} is not 32 hex digits")
-            payloads[int(offset)] = Payload(int(start), int(nbytes), crcs, digest)
+            payloads[int(offset)] = Payload(int(start), int(nbytes), crcs,
+                                            digests.get(int(offset), ""))
         return cls(
             size=int(data["size"]),
             crc32c=int(data["crc32c"], 16),

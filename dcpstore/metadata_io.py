@@ -183,7 +183,7 @@ def check_references(metadata: Metadata, manifest: Manifest | None, *, source: s
     unknown = sorted(p for p in paths if p not in recorded)
     if unknown:
         raise UnsafeKeyError(
-            f"{source}: storage path {unknown[0]!r} points outside the checkpoint and is "
+            f"{source}: object key {unknown[0]!r} points outside the checkpoint and is "
             "not a reference its integrity manifest records; refusing to read it"
         )
     return True

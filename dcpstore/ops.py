@@ -28,7 +28,6 @@ from .errors import (
     CheckpointNotFoundError,
     DcpstoreError,
     IntegrityError,
-    UnsafeKeyError,
 )
 from .manifest import SAVE_ID_PREFIX, FileRecord, Manifest
 from .metadata_io import check_references, load_metadata, read_manifest, references_in
@@ -147,6 +146,7 @@ def inspect_checkpoint(uri: str, **options: Any) -> dict[str, Any]:
     backend = open_backend(uri, **options)
     md = load_metadata(backend)[0]
     manifest = read_manifest(backend, getattr(md.storage_meta, "save_id", None))
+    check_references(md, manifest, source=f"{backend.uri}/.metadata")
     ranks_by_key: dict[str, set[int]] = {}
     referenced = 0
     for index, info in (md.storage_data or {}).items():
@@ -241,11 +241,11 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
     manifest = read_manifest(backend, layout.save_id_of_metadata(md, source=source),
                               required=True)
     names = {(i.relative_path, i.offset): idx.fqn for idx, i in (md.storage_data or {}).items()}
+    check_references(md, manifest, source=source)  # a reference the save did not make
     if manifest is not None:
         try:
             manifest.check_metadata(raw, source=source)
-            check_references(md, manifest, source=source)
-        except (IntegrityError, UnsafeKeyError) as exc:
+        except IntegrityError as exc:
             report.errors.append(str(exc))
         for index, info in (md.storage_data or {}).items():  # as the reader checks them
             try:
@@ -456,8 +456,8 @@ def remove_checkpoint(uri: str, *, dry_run: bool = False, **options: Any) -> lis
 
     Data files that sibling steps under the same run root (the parent directory)
     reference are kept until no committed step references them (see
-    :func:`dcpstore.references.delete_steps`); the returned keys are then relative to
-    the run root.
+    :func:`dcpstore.references.delete_steps`). Keys of retired siblings removed on the
+    way are returned as ``../<step>/<key>``.
     """
     backend = open_backend(uri, **options)
     try:
@@ -473,13 +473,18 @@ def remove_checkpoint(uri: str, *, dry_run: bool = False, **options: Any) -> lis
             return sorted(keys)
         try:
             if not dry_run:
-                return sorted(delete_steps(root, [name]))
-            listing = list_root(root)
-            needed = referenced_keys(root, [s for s in listing.committed if s != name])
-            pinned = {s for pin in read_pins(root) for s in pin.steps}
-            return sorted(k for k in (f"{name}/{k}" for k in keys)
-                          if k not in needed and not (name in pinned
-                                                      and k.endswith(layout.DATA_SUFFIX)))
+                deleted = delete_steps(root, [name])
+            else:
+                listing = list_root(root)
+                needed = referenced_keys(root, [s for s in listing.committed if s != name])
+                pinned = {s for pin in read_pins(root) for s in pin.steps}
+                deleted = [k for k in (f"{name}/{k}" for k in keys)
+                           if k not in needed and not (name in pinned
+                                                       and k.endswith(layout.DATA_SUFFIX))]
+            # this checkpoint's keys as before; retired siblings cleaned up on the way
+            # as ../<step>/<key>
+            return sorted(k.removeprefix(f"{name}/") if k.startswith(f"{name}/") else f"../{k}"
+                          for k in deleted)
         finally:
             root.close()
     finally:

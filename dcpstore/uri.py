@@ -142,8 +142,9 @@ def validate_reference(path: str) -> tuple[str, str]:
             or "\\" in path or "\x00" in path
             or any(seg in ("", ".", "..") or seg.startswith("/") for seg in parts[1:])):
         raise UnsafeKeyError(
-            f"storage path {path!r} leaves the checkpoint but is not a reference of the "
-            "form ../<sibling step>/<data file>.distcp; refusing it"
+            f"object key {path!r} contains '..' segments and could escape the checkpoint "
+            "root: it is not a reference of the form ../<sibling step>/<data file>.distcp; "
+            "refusing it"
         )
     return parts[1], parts[2]
 

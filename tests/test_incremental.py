@@ -283,7 +283,11 @@ def test_hostile_references_are_refused(tmp_path: Path) -> None:
     for verify in (True, False):
         with pytest.raises(UnsafeKeyError, match="not a reference its integrity manifest"):
             dcpstore.load(zeros_like(state), f"{root}/step-3", verify=verify)
-    assert not ops.verify_checkpoint(f"{root}/step-3").ok
+    for op in (ops.verify_checkpoint, ops.inspect_checkpoint):
+        with pytest.raises(UnsafeKeyError):
+            op(f"{root}/step-3")
+    with pytest.raises(UnsafeKeyError):
+        ops.copy_checkpoint(f"{root}/step-3", f"{tmp_path}/copy")
 
 
 # -- a concurrent retention run, and crashes ----------------------------------------------
@@ -405,3 +409,20 @@ def test_fsdp2_incremental_resume_from_every_step(store: Store) -> None:
     loaded = run_ranks(load_steps, 1, root, retained, store.options)[0]
     for step in retained:
         assert_state_equal(loaded[step], saved[step])
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_incremental_saves(tmp_path: Path, mode: str) -> None:
+    root = tmp_path / "run"
+    state = lora_state()
+    with dcpstore.Checkpointer(str(root), incremental=True, async_mode=mode) as ckpt:
+        for step in (1, 2, 3):
+            advance(state)
+            ckpt.save(step, state)
+        ckpt.wait()
+        out = zeros_like(state)
+        ckpt.load(out, step=3)
+    assert_state_equal(out, state)
+    paths = paths_of(ckpt.step_uri(3))
+    assert all(paths[k].startswith("../step-000000001/") for k in BASE_KEYS)
+    assert not paths["lora.a"].startswith("..")
