@@ -5,7 +5,8 @@ Two workloads, each saved by a :class:`~dcpstore.Checkpointer` in one process:
 - **LoRA**: a frozen base (about 95% of the bytes) plus adapters and their AdamW
   moments, which change every step. Five steps saved in full (``incremental=False``)
   and five saved incrementally (``incremental=True``; step 1 is then a full save).
-  Per save: bytes written and seconds; then the load time of step 5 of each run.
+  Per save: bytes written, seconds and CPU seconds; then the load time of step 5 of each
+  run (median of 3 loads).
 - **full training**: every tensor changes every step, so an incremental save writes
   everything: the cost of hashing. Five steps saved three ways: ``content_hash=False``
   (no hashing: the plain writer), the default (hashes recorded, no references), and
@@ -14,8 +15,10 @@ Two workloads, each saved by a :class:`~dcpstore.Checkpointer` in one process:
 Method: ``--runs`` runs of every case in a seeded random order, medians with the min-max
 spread over runs; every figure of a run is the median over its saves 2..5 (step 1 is
 full in every case). The load averages of the machine are recorded before and after
-(the machine may be shared). On local disk, writes land in the page cache (no fsync of
-data files, as torch's writer), which is what a training job sees too.
+(the machine may be shared). On local disk the local backend's defaults apply (data
+files fsynced at commit). The CPU seconds of the saving process (all its threads) are
+less disturbed by other load on the machine than wall time; the cost of hashing is also
+measured alone: XXH3-128 over every payload of the full-training state.
 
 Examples::
 
@@ -54,6 +57,7 @@ __all__ = ["lora_state", "main", "render_markdown", "training_state"]
 
 MiB = 1 << 20
 STEPS = 5
+LOADS = 3  # loads of step 5 per run (the median counts)
 
 
 def lora_state(total: int, seed: int = 0) -> tuple[dict[str, Any], Callable[[], int]]:
@@ -117,19 +121,23 @@ def _run_case(root: str, make: Callable[..., tuple[dict[str, Any], Callable[[], 
     with dcpstore.Checkpointer(root, **options) as ckpt:
         for s in range(1, STEPS + 1):
             changed = step()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             ckpt.save(s, state)
             seconds = time.perf_counter() - started
+            cpu_s = time.process_time() - cpu
             info = ops.inspect_checkpoint(ckpt.step_uri(s), **backend_options)
-            saves.append({"step": s, "seconds": seconds, "changed": changed,
+            saves.append({"step": s, "seconds": seconds, "cpu_s": cpu_s, "changed": changed,
                           "written": info["stored_bytes"],
                           "referenced": info["referenced_bytes"]})
         load_s = None
         if load:
             out = _zeros(state)
-            started = time.perf_counter()
-            ckpt.load(out, step=STEPS)
-            load_s = time.perf_counter() - started
+            loads = []
+            for _ in range(LOADS):
+                started = time.perf_counter()
+                ckpt.load(out, step=STEPS)
+                loads.append(time.perf_counter() - started)
+            load_s = statistics.median(loads)
             for key, value in state.items():  # a wrong load is no figure
                 if isinstance(value, torch.Tensor):
                     assert torch.equal(out[key], value), key
@@ -162,6 +170,7 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             later = run["saves"][1:]
             per_run.append({
                 "seconds": statistics.median(s["seconds"] for s in later),
+                "cpu_s": statistics.median(s["cpu_s"] for s in later),
                 "written": statistics.median(s["written"] for s in later),
                 "referenced": statistics.median(s["referenced"] for s in later),
                 "changed": statistics.median(s["changed"] for s in later),
@@ -169,14 +178,17 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 "load_s": run["load_s"],
             })
         out[case] = {k: _stat([r[k] for r in per_run]) for k in
-                     ("seconds", "written", "referenced", "changed", "first_seconds")}
+                     ("seconds", "cpu_s", "written", "referenced", "changed",
+                      "first_seconds")}
         loads = [r["load_s"] for r in per_run if r["load_s"] is not None]
         out[case]["load_s"] = _stat(loads) if loads else None
     return out
 
 
-def evaluate_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, met or not, from one store's summary."""
+def evaluate_targets(summary: dict[str, Any], hash_s: float | None = None
+                     ) -> list[dict[str, Any]]:
+    """The issue's targets, met or not, from one store's summary (``hash_s``: seconds to
+    hash every payload of the full-training state, see :func:`hash_state_seconds`)."""
     targets = []
     full, inc = summary.get("lora/full"), summary.get("lora/incremental")
     if full and inc:
@@ -201,18 +213,43 @@ def evaluate_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                 "value": f"{ratio:.3f} x the load time of the full step",
                 "met": ratio <= 1.1,
             })
-    plain, hashed = summary.get("train/no-hash"), summary.get("train/hash")
-    if plain and hashed:
+    plain = summary.get("train/no-hash")
+    if plain:
         for case in ("train/hash", "train/incremental"):
             if case not in summary:
                 continue
             over = summary[case]["seconds"]["median"] / plain["seconds"]["median"] - 1
+            cpu = summary[case]["cpu_s"]["median"] / plain["cpu_s"]["median"] - 1
             targets.append({
                 "target": f"hashing overhead <= 5% of a full save ({case} vs train/no-hash)",
-                "value": f"{100 * over:+.1f}%",
+                "value": f"wall {100 * over:+.1f}%, CPU {100 * cpu:+.1f}%",
                 "met": over <= 0.05,
             })
+        if hash_s is not None:
+            share = hash_s / plain["seconds"]["median"]
+            targets.append({
+                "target": "hashing overhead <= 5% of a full save (hashing the whole state, "
+                          "measured alone, vs a full save without hashing)",
+                "value": f"{1000 * hash_s:.1f} ms = {100 * share:.1f}% of "
+                         f"{plain['seconds']['median']:.3f} s",
+                "met": share <= 0.05,
+            })
     return targets
+
+
+def hash_state_seconds(size: int, repeats: int = 5) -> float:
+    """Seconds to XXH3-128 every payload of the full-training state, as the writer does
+    (median of ``repeats``): the CPU a save spends on hashing."""
+    from dcpstore.writer import payload_digest
+
+    state, _ = training_state(size)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for t in state.values():
+            payload_digest(t)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def hash_speed(nbytes: int = 256 * MiB) -> dict[str, float]:
@@ -243,13 +280,13 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += [f"**{store}**, state {results['size_mib']} MiB, {results['runs']} runs "
                   "(median, min-max over runs; per run the median of saves 2-5):", "",
                   "| case | MiB written / save | MiB referenced / save | MiB changed / step "
-                  "| save s | load step 5 s |",
-                  "|---|---|---|---|---|---|"]
+                  "| save s | save CPU s | load step 5 s |",
+                  "|---|---|---|---|---|---|---|"]
         for case, s in summary.items():
             lines.append(f"| {case} | {_fmt(s['written'], MiB, '{:.1f}')} | "
                          f"{_fmt(s['referenced'], MiB, '{:.1f}')} | "
                          f"{_fmt(s['changed'], MiB, '{:.1f}')} | {_fmt(s['seconds'])} | "
-                         f"{_fmt(s['load_s'])} |")
+                         f"{_fmt(s['cpu_s'])} | {_fmt(s['load_s'])} |")
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         for t in results["targets"][store]:
             lines.append(f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |")
@@ -317,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                     if store == "local":
                         shutil.rmtree(root, ignore_errors=True)
     summary = {store: summarize(cases) for store, cases in raw.items()}
+    hash_s = hash_state_seconds(size)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     results = {
@@ -330,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "xxhash": xxhash.VERSION,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "hash_gbps": hash_speed(),
+        "hash_state_s": hash_s,
         "summary": summary,
-        "targets": {store: evaluate_targets(s) for store, s in summary.items()},
+        "targets": {store: evaluate_targets(s, hash_s) for store, s in summary.items()},
         "raw": raw,
     }
     markdown = render_markdown(results)

@@ -478,9 +478,10 @@ def remove_checkpoint(uri: str, *, dry_run: bool = False, **options: Any) -> lis
                 listing = list_root(root)
                 needed = referenced_keys(root, [s for s in listing.committed if s != name])
                 pinned = {s for pin in read_pins(root) for s in pin.steps}
+                keep_data = name in pinned or needed is None
                 deleted = [k for k in (f"{name}/{k}" for k in keys)
-                           if k not in needed and not (name in pinned
-                                                       and k.endswith(layout.DATA_SUFFIX))]
+                           if k not in (needed or ())
+                           and not (keep_data and k.endswith(layout.DATA_SUFFIX))]
             # this checkpoint's keys as before; retired siblings cleaned up on the way
             # as ../<step>/<key>
             return sorted(k.removeprefix(f"{name}/") if k.startswith(f"{name}/") else f"../{k}"

@@ -192,14 +192,10 @@ def list_root(root: Backend) -> RootListing:
     return listing
 
 
-def referenced_keys(root: Backend, steps: Iterable[str]) -> set[str]:
+def referenced_keys(root: Backend, steps: Iterable[str]) -> set[str] | None:
     """Keys under ``root`` of the files that the committed ``steps`` reference in their
-    siblings (read from each one's ``.metadata``).
-
-    Raises:
-        DcpstoreError: A step's ``.metadata`` cannot be read: deleting anything then
-            could destroy a file it references.
-    """
+    siblings (read from each one's ``.metadata``); ``None`` when that cannot be told (a
+    ``.metadata`` that cannot be read: then no referenced file may be deleted)."""
     needed: set[str] = set()
     for step in steps:
         ckpt = root.child(step)
@@ -208,10 +204,9 @@ def referenced_keys(root: Backend, steps: Iterable[str]) -> set[str]:
         except FileNotFoundError:
             continue  # deleted since the listing: it needs nothing any more
         except Exception as exc:
-            raise DcpstoreError(
-                f"cannot tell which files {ckpt.uri} references ({exc}); nothing was "
-                "deleted. Repair or delete that checkpoint first"
-            ) from exc
+            logger.warning("cannot tell which files %s references (%s); keeping every "
+                           "data file of the steps being deleted", ckpt.uri, exc)
+            return None
         finally:
             ckpt.close()
         for info in (metadata.storage_data or {}).values():
@@ -270,7 +265,7 @@ def delete_steps(root: Backend, steps: Iterable[str]) -> list[str]:
             continue
         mine = [o.key for o in objs if o.key != f"{step}/{RETIRED_KEY}"
                 and (step in saves or layout.save_id_of(o.key) == retired_save)]
-        if step in pinned:
+        if step in pinned or needed is None:
             kept = [k for k in mine if k.endswith(layout.DATA_SUFFIX)]
             doomed_keys = [k for k in mine if not k.endswith(layout.DATA_SUFFIX)]
         else:
