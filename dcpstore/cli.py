@@ -122,7 +122,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     tiered = args.local_tier is not None
     found = (list_checkpoints_tiered(args.uri, args.local_tier, **dict(args.option)) if tiered
              else list_checkpoints(args.uri, **dict(args.option)))
-    rows = [[c.path, "committed" if c.committed else "INCOMPLETE",
+    rows = [[c.path, "committed" if c.committed else "retired" if c.retired else "INCOMPLETE",
              "-" if c.step is None else str(c.step), human_bytes(c.size), str(c.files),
              "-" if c.world_size is None else str(c.world_size), _when(c.mtime)]
             + ([c.where or "-"] if tiered else []) for c in found]

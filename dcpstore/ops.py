@@ -83,6 +83,8 @@ class CheckpointInfo:
     world_size: int | None = None
     #: With a local tier: where it is committed (``local``, ``remote``, ``both``).
     where: str | None = None
+    #: A deleted step whose data files later (incremental) steps still reference.
+    retired: bool = False
 
 
 def _group_by_dir(objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
@@ -98,7 +100,10 @@ def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
     """Checkpoints (committed or incomplete) under ``root_uri``, one listing."""
     root = open_backend(root_uri, **options)
     out = []
-    for head, objs in sorted(_group_by_dir(root.list()).items()):
+    listing = root.list()
+    retired = {o.key.rpartition("/")[0] for o in listing
+               if o.key.rpartition("/")[2] == RETIRED_KEY}
+    for head, objs in sorted(_group_by_dir(listing).items()):
         committed = any(o.key.endswith(layout.METADATA_KEY) and
                         o.key.rpartition("/")[2] == layout.METADATA_KEY for o in objs)
         m = _STEP_RE.search(head)
@@ -109,6 +114,7 @@ def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
             files=sum(o.key.endswith(".distcp") for o in objs),
             mtime=max((o.mtime for o in objs if o.mtime is not None), default=None),
             step=int(m.group(1)) if m else None,
+            retired=head in retired and not committed,
         )
         if committed:
             ckpt = root.child(head) if head else root

@@ -668,13 +668,14 @@ class Writer(StorageWriter):
                     tensor = _prepare_tensor(data)
                     hashable = (transforms is None and tensor.is_contiguous()
                                 and tensor.nbytes >= _MIN_PAYLOAD)
-                    same = self._unchanged(item, tensor, base) if hashable else None
+                    same, digest = (self._unchanged(item, tensor, base) if hashable
+                                    else (None, ""))
                     if same is not None:
                         ref = _WrittenItem(same.path, same.offset, same.length, None,
                                            same.crc32c, reference=True)
                         referenced.append((item, ref))
                         continue
-                    if hashable and self.options.content_hash:
+                    if hashable and self.options.content_hash and not digest:
                         digest = payload_digest(tensor)
                 if transforms is not None:
                     sink, descriptors = transforms.transform_save_stream(item, stream)
@@ -721,16 +722,18 @@ class Writer(StorageWriter):
         ]
 
     def _unchanged(self, item: WriteItem, tensor: torch.Tensor,
-                   base: dict[_ChunkKey, _BaseItem] | None) -> _BaseItem | None:
-        """The base's copy of this tensor chunk, if it is the same: size, dtype, shape
-        and XXH3-128 (not hashed for keys the caller marked frozen)."""
+                   base: dict[_ChunkKey, _BaseItem] | None) -> tuple[_BaseItem | None, str]:
+        """The base's copy of this tensor chunk if it is the same (size, dtype, shape and
+        XXH3-128; not hashed for keys the caller marked frozen), and the hash computed
+        on the way (``""``: none)."""
         if not base or item.tensor_data is None:
-            return None
+            return None, ""
         same = base.get(_chunk_key(item.index.fqn, item.index.offset))
         if (same is None or same.dtype != tensor.dtype or same.payload.nbytes != tensor.nbytes
                 or same.sizes != tuple(item.tensor_data.chunk.sizes)
                 or tuple(tensor.shape) != same.sizes):
-            return None
+            return None, ""
         if item.index.fqn in self._frozen:
-            return same
-        return same if payload_digest(tensor) == same.payload.digest else None
+            return same, same.payload.digest
+        digest = payload_digest(tensor)
+        return (same if digest == same.payload.digest else None), digest

@@ -224,6 +224,10 @@ def test_ops_follow_references(tmp_path: Path, capsys: pytest.CaptureFixture[str
     ops.remove_checkpoint(f"{root}/step-1")
     names = sorted(p.name for p in (root / "step-1").iterdir())
     assert layout.METADATA_KEY not in names and references.RETIRED_KEY in names
+    listed = {c.path: c for c in ops.list_checkpoints(str(root))}
+    assert listed["step-1"].retired and not listed["step-1"].committed
+    assert cli_main(["ls", str(root)]) == 0
+    assert "retired" in capsys.readouterr().out
     assert ops.gc(str(root), min_age=0).objects == []
     assert_state_equal(load_back(step2, state), state)
     assert ops.verify_checkpoint(step2).ok
