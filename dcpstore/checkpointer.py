@@ -209,9 +209,11 @@ class Checkpointer:
                 "reference local siblings that the drain does not copy to the root, and a "
                 "remote step's references must point at remote siblings. Use one of the two"
             )
-        if incremental and {"base", "frozen"} & set(options):
-            raise ValueError("with incremental=True the Checkpointer picks the base (the "
-                             "newest committed step); do not pass base= or frozen=")
+        if {"base", "base_required", "frozen"} & set(options):
+            raise ValueError("the Checkpointer picks the base of each save itself (the "
+                             "newest committed step, with incremental=True) and takes "
+                             "frozen keys from AppState(frozen_hint=True); do not pass "
+                             "base=, base_required= or frozen=")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if keep_last_local is not None and keep_last_local < 1:

@@ -376,10 +376,12 @@ def test_sigkill_during_an_incremental_save(tmp_path: Path) -> None:
     assert ops.verify_checkpoint(f"{root}/step-1").ok
 
 
-def test_incremental_refuses_local_tier(tmp_path: Path) -> None:
+def test_incremental_refuses_local_tier_and_a_given_base(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="local_tier"):
         dcpstore.Checkpointer(str(tmp_path / "r"), incremental=True,
                               local_tier=str(tmp_path / "l"))
+    with pytest.raises(ValueError, match="base="):
+        dcpstore.Checkpointer(str(tmp_path / "r"), base=str(tmp_path / "r" / "step-1"))
 
 
 # -- 2 ranks, FSDP2 with frozen and trainable parts -----------------------------------------
