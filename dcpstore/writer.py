@@ -136,11 +136,16 @@ class _ChecksumStream(io.RawIOBase):
         # and the CRC32C of each PAYLOAD_BLOCK of it
         self._payload_size = 0
         self.payload_at: list[tuple[int, tuple[int, ...]]] = []
+        self._want_digest = False
+        self.payload_digest = ""
 
-    def expect_payload(self, nbytes: int) -> None:
-        """Note position and block CRCs of writes of ``nbytes`` bytes until the next call."""
+    def expect_payload(self, nbytes: int, *, digest: bool = False) -> None:
+        """Note position and block CRCs of writes of ``nbytes`` bytes until the next call
+        (and, with ``digest``, their XXH3-128 in :attr:`payload_digest`)."""
         self._payload_size = nbytes
         self.payload_at = []
+        self._want_digest = digest
+        self.payload_digest = ""
 
     def writable(self) -> bool:
         return True
@@ -152,10 +157,16 @@ class _ChecksumStream(io.RawIOBase):
         if size and size == self._payload_size:
             blocks = []
             crc = 0
+            # the content hash in the same pass, block by block, while each is in cache
+            hasher = xxhash.xxh3_128() if self._want_digest else None
             for lo in range(0, size, PAYLOAD_BLOCK):
                 block = view[lo : lo + PAYLOAD_BLOCK]
                 blocks.append(crc32c(block))
                 crc = crc32c_combine(crc, blocks[-1], len(block))
+                if hasher is not None:
+                    hasher.update(block)
+            if hasher is not None:
+                self.payload_digest = hasher.hexdigest()
             self.payload_at.append((self.position, tuple(blocks)))
             self._combine(crc, size)
         elif size >= _COMBINE_MIN:
@@ -662,6 +673,7 @@ class Writer(StorageWriter):
                 sink: Any = stream
                 descriptors: list[str] = []
                 digest = ""
+                want_digest = False
                 if item.type != WriteItemType.BYTE_IO:
                     if not isinstance(data, torch.Tensor):
                         raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data)}")
@@ -675,8 +687,7 @@ class Writer(StorageWriter):
                                            same.crc32c, reference=True)
                         referenced.append((item, ref))
                         continue
-                    if hashable and self.options.content_hash and not digest:
-                        digest = payload_digest(tensor)
+                    want_digest = hashable and self.options.content_hash and not digest
                 if transforms is not None:
                     sink, descriptors = transforms.transform_save_stream(item, stream)
                 if item.type == WriteItemType.BYTE_IO:
@@ -684,11 +695,12 @@ class Writer(StorageWriter):
                         raise TypeError(f"byte item {item.index.fqn!r} resolved to {type(data)}")
                     sink.write(data.getbuffer())
                 else:
-                    stream.expect_payload(tensor.nbytes)
+                    stream.expect_payload(tensor.nbytes, digest=want_digest)
                     encode_tensor(tensor, sink)
                     if (transforms is None and tensor.is_contiguous()
                             and tensor.nbytes >= _MIN_PAYLOAD and len(stream.payload_at) == 1):
                         at, crcs = stream.payload_at[0]
+                        digest = digest or stream.payload_digest
                         payloads[offset] = Payload(at - offset, tensor.nbytes, crcs, digest)
                     stream.expect_payload(0)
                 if transforms is not None:
