@@ -484,10 +484,9 @@ def remove_checkpoint(uri: str, *, dry_run: bool = False, **options: Any) -> lis
                 listing = list_root(root)
                 needed = referenced_keys(root, [s for s in listing.committed if s != name])
                 pinned = {s for pin in read_pins(root) for s in pin.steps}
-                keep_data = name in pinned or needed is None
                 deleted = [k for k in (f"{name}/{k}" for k in keys)
-                           if k not in (needed or ())
-                           and not (keep_data and k.endswith(layout.DATA_SUFFIX))]
+                           if name not in pinned and k not in (needed or ())
+                           and not (needed is None and k.endswith(layout.DATA_SUFFIX))]
             # this checkpoint's keys as before; retired siblings cleaned up on the way
             # as ../<step>/<key>
             return sorted(k.removeprefix(f"{name}/") if k.startswith(f"{name}/") else f"../{k}"
@@ -563,7 +562,7 @@ def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
             name = obj.key.rpartition("/")[2]
             if name in keep.get(head, ()) or obj.key in needed:
                 continue
-            if head in pinned and name.endswith(layout.DATA_SUFFIX):
+            if head in pinned:  # a save in progress reads or references it
                 continue
             if obj.mtime is not None and now - obj.mtime < min_age:
                 continue

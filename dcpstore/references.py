@@ -265,7 +265,9 @@ def delete_steps(root: Backend, steps: Iterable[str]) -> list[str]:
             continue
         mine = [o.key for o in objs if o.key != f"{step}/{RETIRED_KEY}"
                 and (step in saves or layout.save_id_of(o.key) == retired_save)]
-        if step in pinned or needed is None:
+        if step in pinned:  # a save is reading it: its manifest too
+            kept, doomed_keys = mine, []
+        elif needed is None:
             kept = [k for k in mine if k.endswith(layout.DATA_SUFFIX)]
             doomed_keys = [k for k in mine if not k.endswith(layout.DATA_SUFFIX)]
         else:
