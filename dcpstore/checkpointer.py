@@ -50,6 +50,7 @@ from .local_tier import (
     publish_step,
 )
 from .options import ReaderOptions
+from .references import delete_steps
 from .resolve import _READER, Resolved, _own_values, open_backend, resolve
 from .staging import (
     BackgroundWriter,
@@ -60,6 +61,7 @@ from .staging import (
     StagingOptions,
     as_staging_options,
 )
+from .state import frozen_keys
 from .uri import parse_uri
 from .writer import Writer
 
@@ -166,6 +168,13 @@ class Checkpointer:
         keep_last_local: Steps kept in the local tier (a step not yet on the remote is
             never deleted while it is the newest).
         drain_retries: Retries of a failed drain before it is reported.
+        incremental: Each save writes only the tensor payloads that differ from the
+            newest committed step at ``root_uri``; unchanged ones are referenced from the
+            step that holds them (see :class:`~dcpstore.WriterOptions` ``base``).
+            Retention and :meth:`delete` keep files that a retained step references.
+            Parameters with ``requires_grad=False`` in an :class:`~dcpstore.AppState`
+            created with ``frozen_hint=True`` are referenced without hashing. Not
+            combinable with ``local_tier``.
         process_group: Group for the collectives (default: the global group).
         backend: Route through this backend regardless of the scheme.
         **options: Writer/reader/backend options (see :func:`dcpstore.get_writer`).
@@ -189,10 +198,22 @@ class Checkpointer:
         local_tier: str | os.PathLike[str] | None = None,
         keep_last_local: int | None = 1,
         drain_retries: int = 2,
+        incremental: bool = False,
         process_group: Any = None,
         backend: str | None = None,
         **options: Any,
     ) -> None:
+        if incremental and local_tier:
+            raise ValueError(
+                "incremental=True cannot be combined with local_tier: a local step would "
+                "reference local siblings that the drain does not copy to the root, and a "
+                "remote step's references must point at remote siblings. Use one of the two"
+            )
+        if {"base", "base_required", "frozen"} & set(options):
+            raise ValueError("the Checkpointer picks the base of each save itself (the "
+                             "newest committed step, with incremental=True) and takes "
+                             "frozen keys from AppState(frozen_hint=True); do not pass "
+                             "base=, base_required= or frozen=")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if keep_last_local is not None and keep_last_local < 1:
@@ -210,6 +231,8 @@ class Checkpointer:
         self.async_mode = async_mode
         self.local_tier = os.path.abspath(os.fspath(local_tier)) if local_tier else None
         self.drain_retries = drain_retries
+        self.incremental = incremental
+        self._frozen: dict[int, tuple[str, ...]] = {}  # per step being saved
         self.backend_name = backend
         self.options = options
         self._extensions = options.get("_extensions")
@@ -325,6 +348,8 @@ class Checkpointer:
         started = time.perf_counter()
         self._resolve_root()  # an unknown option is reported before anything is written
         self._settle(keep_last_drain=True)
+        if self.incremental:
+            self._frozen = {step: frozen_keys(state)}
         if self.async_mode == "process":
             self._check_worker()
         target = self._choose_target(step, state)
@@ -515,9 +540,13 @@ class Checkpointer:
         raise DcpstoreError(f"listing {self.root_uri} on the coordinator failed: {answer[1]}")
 
     def delete(self, step: int) -> None:
-        """Delete one step at the root and in the local tier (collective)."""
+        """Delete one step at the root and in the local tier (collective).
+
+        The step stops being a checkpoint at once (its ``.metadata`` goes first); data
+        files that other steps reference stay until no retained step needs them.
+        """
         if self._is_coordinator():
-            _delete_closing(self._root.child(step_dir(step)))
+            delete_steps(self._root, [step_dir(step)])
         self._barrier()
         if self.local_tier is not None:
             self._delete_local([step], self.process_group)
@@ -683,7 +712,20 @@ class Checkpointer:
 
     def _remote_writer(self, step: int) -> Writer:
         kwargs = {**self._resolved.backend_kwargs, **self._resolved.writer_options}
+        if self.incremental:
+            kwargs.update(self._incremental_options(step))
         return self._make_writer(self.step_uri(step), self.backend_name, kwargs)
+
+    def _incremental_options(self, step: int) -> dict[str, Any]:
+        """Writer options of an incremental save of ``step``: its base is the newest
+        committed step (only the coordinator's writer reads it)."""
+        options: dict[str, Any] = {"frozen": self._frozen.get(step, ()),
+                                   "base_required": False}
+        if self._is_coordinator():
+            steps = [s for s in committed_steps(self._root) if s != step]
+            if steps:
+                options["base"] = self.step_uri(steps[-1])
+        return options
 
     def _make_writer(self, uri: str, backend: str | None, kwargs: dict[str, Any]) -> Writer:
         resolved = resolve(uri, backend=backend, role="writer", **kwargs)
@@ -797,9 +839,11 @@ class Checkpointer:
             return
         if self._rank(group) == 0:
             steps = committed_steps(self._root)
-            for old in steps[: max(0, len(steps) - self.keep_last)]:
-                logger.info("retention: deleting step %d under %s", old, self.root_uri)
-                _delete_closing(self._root.child(step_dir(old)))
+            doomed = steps[: max(0, len(steps) - self.keep_last)]
+            if doomed:
+                logger.info("retention: deleting steps %s under %s", doomed, self.root_uri)
+                # reference-aware: files a kept step references stay (dcpstore.references)
+                delete_steps(self._root, [step_dir(s) for s in doomed])
         self._barrier(group)
 
     def _retain_local(self, group: Any) -> None:
@@ -933,14 +977,6 @@ def committed_steps(root: Backend) -> list[int]:
         if m and tail == layout.METADATA_KEY:
             steps.add(int(m.group(1)))
     return sorted(steps)
-
-
-def _delete_closing(ckpt: Backend) -> None:
-    """:func:`delete_checkpoint`, then release the backend made for it (its client)."""
-    try:
-        delete_checkpoint(ckpt)
-    finally:
-        ckpt.close()
 
 
 def delete_checkpoint(ckpt: Backend) -> int:

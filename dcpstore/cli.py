@@ -122,7 +122,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     tiered = args.local_tier is not None
     found = (list_checkpoints_tiered(args.uri, args.local_tier, **dict(args.option)) if tiered
              else list_checkpoints(args.uri, **dict(args.option)))
-    rows = [[c.path, "committed" if c.committed else "INCOMPLETE",
+    rows = [[c.path, "committed" if c.committed else "retired" if c.retired else "INCOMPLETE",
              "-" if c.step is None else str(c.step), human_bytes(c.size), str(c.files),
              "-" if c.world_size is None else str(c.world_size), _when(c.mtime)]
             + ([c.where or "-"] if tiered else []) for c in found]
@@ -149,6 +149,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"{info['torch_version'] or '-'}  {_when(info['created'])}",
         f"tensors     {human_bytes(info['tensor_bytes'])} in {len(info['keys'])} keys; "
         f"{human_bytes(info['stored_bytes'])} stored in {len(files)} files",
+        f"written     {human_bytes(info['stored_bytes'])} by this save; "
+        f"{human_bytes(info['referenced_bytes'])} referenced in "
+        f"{len(info['referenced_files'])} files of earlier steps",
         "",
         _table(rows, ["KEY", "DTYPE", "SHAPE", "BYTES", "CHUNKS", "RANKS"]),
         "",
@@ -161,7 +164,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .ops import inspect_checkpoint, verify_checkpoint
 
-    total = inspect_checkpoint(args.uri, **dict(args.option))["stored_bytes"]
+    info = inspect_checkpoint(args.uri, **dict(args.option))
+    total = info["stored_bytes"] + sum(info["referenced_files"].values())
     with _progress(args, total, "verify") as update:
         report = verify_checkpoint(args.uri, progress=update, concurrency=args.concurrency,
                                    **dict(args.option))
@@ -180,11 +184,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_cp(args: argparse.Namespace) -> int:
     from .ops import copy_checkpoint, inspect_checkpoint
 
-    total = inspect_checkpoint(args.src)["stored_bytes"]
+    info = inspect_checkpoint(args.src)
+    total = info["stored_bytes"] + (0 if args.keep_references
+                                    else sum(info["referenced_files"].values()))
     started = time.perf_counter()
     with _progress(args, total, "copy") as update:
         copied = copy_checkpoint(args.src, args.dst, progress=update,
-                                 concurrency=args.concurrency, overwrite=args.overwrite)
+                                 concurrency=args.concurrency, overwrite=args.overwrite,
+                                 keep_references=args.keep_references)
     secs = time.perf_counter() - started
     _emit(args, {"src": args.src, "dst": args.dst, "bytes": copied, "seconds": secs},
           f"copied {human_bytes(copied)} from {args.src} to {args.dst} in {secs:.2f} s "
@@ -323,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("cp", "copy a checkpoint between any two backends", _cmd_cp, "src", "dst")
     p.add_argument("--concurrency", type=int, default=4, help="files copied at once")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    p.add_argument("--keep-references", action="store_true",
+                   help="copy only the files this step wrote and keep its references into "
+                        "earlier steps (they must exist next to DST); default: a "
+                        "self-contained copy")
     p = add("rm", "delete a checkpoint (.metadata first)", _cmd_rm, "uri")
     p.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     p = add("gc", "remove incomplete saves, unreferenced files, dangling uploads", _cmd_gc,

@@ -9,13 +9,14 @@ save's ``.metadata`` with the other's manifest. torch's own readers ignore the f
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .checksum import crc32c
 from .errors import IntegrityError, UnsafeKeyError
-from .uri import validate_key
+from .uri import validate_key, validate_reference
 
 __all__ = [
     "FileRecord",
@@ -28,6 +29,7 @@ __all__ = [
 FORMAT = "dcpstore-manifest"
 VERSION = 1
 SAVE_ID_PREFIX = "dcpstore-"
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def manifest_key(save_id: str) -> str:
@@ -44,11 +46,15 @@ class Payload(NamedTuple):
         nbytes: Length of the payload.
         block_crcs: CRC32C of every ``Manifest.payload_block`` bytes of the payload (the
             last block may be shorter); empty when not recorded.
+        digest: XXH3-128 of the payload as 32 hex digits (``""``: not recorded). An
+            incremental save compares it, with size, dtype and shape, to decide that a
+            tensor is unchanged and can be referenced instead of written again.
     """
 
     start: int
     nbytes: int
     block_crcs: tuple[int, ...] = ()
+    digest: str = ""
 
 
 @dataclass
@@ -74,15 +80,23 @@ class FileRecord:
         if self.payloads:
             doc["payloads"] = [[o, p.start, p.nbytes, list(p.block_crcs)]
                                for o, p in sorted(self.payloads.items())]
+            digests = [[o, p.digest] for o, p in sorted(self.payloads.items()) if p.digest]
+            if digests:  # a list of its own: manifests without it read as before
+                doc["digests"] = digests
         return doc
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FileRecord:
+        digests = {int(o): str(d) for o, d in data.get("digests", [])}
+        for digest in digests.values():
+            if not _DIGEST_RE.match(digest):
+                raise ValueError(f"payload digest {digest!r} is not 32 hex digits")
         payloads = {}
         for entry in data.get("payloads", []):
             offset, start, nbytes, *rest = entry
             crcs = tuple(int(c) for c in rest[0]) if rest else ()
-            payloads[int(offset)] = Payload(int(start), int(nbytes), crcs)
+            payloads[int(offset)] = Payload(int(start), int(nbytes), crcs,
+                                            digests.get(int(offset), ""))
         return cls(
             size=int(data["size"]),
             crc32c=int(data["crc32c"], 16),
@@ -107,13 +121,23 @@ class Manifest:
     metadata: FileRecord | None = None
     #: Block size of the payloads' block CRCs (0: none recorded).
     payload_block: int = 0
+    #: Data files of sibling steps this checkpoint references (an incremental save),
+    #: by the ``relative_path`` ``.metadata`` uses (``../step-000000100/__0_0.<save>.distcp``),
+    #: with the record copied from the manifest of the step that wrote them.
+    references: dict[str, FileRecord] = field(default_factory=dict)
     _item_index: dict[tuple[str, int], tuple[int, int]] | None = field(
         default=None, repr=False, compare=False
     )
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the data files this save wrote (referenced files not counted)."""
         return sum(f.size for f in self.files.values())
+
+    def record(self, relative_path: str) -> FileRecord | None:
+        """The record of a data file this checkpoint reads: its own or a referenced one."""
+        found = self.files.get(relative_path)
+        return found if found is not None else self.references.get(relative_path)
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -131,6 +155,8 @@ class Manifest:
             doc["metadata"] = self.metadata.to_json()
         if self.payload_block:
             doc["payload_block"] = self.payload_block
+        if self.references:
+            doc["references"] = {k: v.to_json() for k, v in sorted(self.references.items())}
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -157,6 +183,13 @@ class Manifest:
                 except UnsafeKeyError as exc:
                     raise UnsafeKeyError(f"{source}: {exc}") from None
                 files[key] = FileRecord.from_json(record)
+            references = {}
+            for key, record in doc.get("references", {}).items():
+                try:
+                    validate_reference(key)
+                except UnsafeKeyError as exc:
+                    raise UnsafeKeyError(f"{source}: {exc}") from None
+                references[key] = FileRecord.from_json(record)
             metadata = doc.get("metadata")
             return cls(
                 save_id=str(doc["save_id"]),
@@ -168,6 +201,7 @@ class Manifest:
                 extra=dict(doc.get("extra", {})),
                 metadata=None if metadata is None else FileRecord.from_json(metadata),
                 payload_block=int(doc.get("payload_block", 0)),
+                references=references,
             )
         except UnsafeKeyError:
             raise
@@ -200,7 +234,9 @@ class Manifest:
         """
         if self._item_index is None:
             self._item_index = {
-                (path, o): (n, c) for path, rec in self.files.items() for o, n, c in rec.items
+                (path, o): (n, c)
+                for records in (self.files, self.references)
+                for path, rec in records.items() for o, n, c in rec.items
             }
         found = self._item_index.get((relative_path, offset))
         if found is None:
@@ -214,5 +250,5 @@ class Manifest:
 
     def item_payload(self, relative_path: str, offset: int) -> Payload | None:
         """Where the raw tensor bytes of an item lie, if recorded."""
-        record = self.files.get(relative_path)
+        record = self.record(relative_path)
         return None if record is None else record.payloads.get(offset)

@@ -11,6 +11,8 @@ One implementation for everything that opens a checkpoint: the DCP
   it, :class:`~dcpstore.IncompleteCheckpointError`.
 - :func:`read_manifest` fetches the manifest a save id names and checks it belongs to
   that save.
+- :func:`check_references` admits the storage entries that point into a sibling step
+  (an incremental save) only when the manifest records them.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ from .errors import (
     IncompleteCheckpointError,
     IntegrityError,
     UnsafeCheckpointError,
+    UnsafeKeyError,
 )
 from .manifest import SAVE_ID_PREFIX, Manifest
 from .safe_pickle import safe_loads
-from .uri import validate_key
+from .uri import is_reference, validate_storage_path
 
-__all__ = ["load_metadata", "missing_metadata_error", "parse_metadata", "read_manifest"]
+__all__ = [
+    "check_references",
+    "load_metadata",
+    "missing_metadata_error",
+    "parse_metadata",
+    "read_manifest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +77,7 @@ def parse_metadata(raw: bytes, *, source: str, trusted: bool = False) -> Metadat
                 and all(isinstance(n, int) and n >= 0 for n in sizes)):
             raise IntegrityError(f"{source}: storage entry of "
                                  f"{getattr(index, 'fqn', index)!r} is malformed")
-        validate_key(path)
+        validate_storage_path(path)
     return metadata
 
 
@@ -148,3 +157,33 @@ def read_manifest(backend: Backend, save_id: Any, *, required: bool = False,
         raise IntegrityError(f"{backend.uri}/{key} belongs to save {manifest.save_id}, "
                              f"not {save_id}")
     return manifest
+
+
+def references_in(metadata: Metadata) -> set[str]:
+    """The ``relative_path`` s of ``metadata`` that point into sibling steps."""
+    return {info.relative_path for info in (metadata.storage_data or {}).values()
+            if is_reference(info.relative_path)}
+
+
+def check_references(metadata: Metadata, manifest: Manifest | None, *, source: str) -> bool:
+    """Admit ``metadata``'s references into sibling steps only if its integrity manifest
+    records each of them (as the save that committed it did); return whether it has any.
+
+    ``parse_metadata`` already refused every path that is not inside the checkpoint or
+    of the one reference form (``../<sibling>/<file>.distcp``), so nothing can reach
+    outside the run root; this refuses references the save did not make.
+
+    Raises:
+        UnsafeKeyError: A reference is not recorded in the manifest, or there is none.
+    """
+    paths = references_in(metadata)
+    if not paths:
+        return False
+    recorded = manifest.references if manifest is not None else {}
+    unknown = sorted(p for p in paths if p not in recorded)
+    if unknown:
+        raise UnsafeKeyError(
+            f"{source}: object key {unknown[0]!r} points outside the checkpoint and is "
+            "not a reference its integrity manifest records; refusing to read it"
+        )
+    return True

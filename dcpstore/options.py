@@ -47,11 +47,28 @@ class WriterOptions:
             over them by size; with one file they keep the save plan's order.
         sharding_guard: Refuse per-rank state saved as plain tensors (see
             :mod:`dcpstore.guard`).
+        base: URI of an earlier committed checkpoint under the same run root (a sibling
+            directory): an incremental save. Tensor payloads whose size, dtype, shape and
+            XXH3-128 content hash equal the base's are not written again; ``.metadata``
+            references the base's bytes (``../step-000000100/__0_0.<save>.distcp``).
+        base_required: With ``base``: a base that is not a committed checkpoint when the
+            save starts is an error. ``False``: save everything instead (the
+            :class:`~dcpstore.Checkpointer` uses this, as retention may race it).
+        frozen: Keys (flattened, as DCP names them: ``app.model.base.weight``) the
+            caller promises did not change since the base: they are referenced when
+            size, dtype and shape match, without hashing them. A hint for frozen
+            weights; a key that did change would load stale values.
+        content_hash: Record the XXH3-128 hash of every tensor payload in the manifest,
+            so a later incremental save can reference it.
     """
 
     overwrite: bool = False
     files_per_rank: int = 1
     sharding_guard: bool = True
+    base: str | None = None
+    base_required: bool = True
+    frozen: tuple[str, ...] = ()
+    content_hash: bool = True
 
 
 @dataclass

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import builtins
+import dataclasses
 import json
 import logging
 import sys
@@ -389,9 +390,13 @@ def _merge(units: Sequence[Piece], others: set[tuple[str, int]], gap: int, max_r
 
 def _fetch(backend: Backend, units: Sequence[Piece], others: set[tuple[str, int]],
            mine: dict[UnitKey, list[ItemRead]], gap: int, max_range: int,
-           stats: ExchangeStats) -> dict[UnitKey, memoryview]:
-    """Fetch the pieces this rank owns; each piece's bytes, by key."""
+           stats: ExchangeStats, key_of: Callable[[str], str] | None = None
+           ) -> dict[UnitKey, memoryview]:
+    """Fetch the pieces this rank owns; each piece's bytes, by key (``key_of`` maps a
+    unit's path to the backend's key)."""
     merged = _merge(units, others, gap, max_range)
+    if key_of is not None:
+        merged = [(dataclasses.replace(r, key=key_of(r.key)), m) for r, m in merged]
     buffers = [uninitialized_buffer(r.length) for r, _ in merged]
     stats.requests += len(merged)
     stats.bytes_fetched += sum(r.length for r, _ in merged)
@@ -399,8 +404,8 @@ def _fetch(backend: Backend, units: Sequence[Piece], others: set[tuple[str, int]
         for _ in backend.read_ranges([r for r, _ in merged], buffers):
             pass
     except OSError as exc:
-        ranges = [CoalescedRange(u.key[0], u.key[1], u.key[2],
-                                 [i for k, items in mine.items() for i in items
+        ranges = [CoalescedRange(key_of(u.key[0]) if key_of else u.key[0], u.key[1],
+                                 u.key[2], [i for k, items in mine.items() for i in items
                                   if k[0] == u.key[0] and k[1] <= u.key[1] < k[1] + k[2]])
                   for u in units]
         damaged = damaged_file_error(backend, exc, ranges)
@@ -443,7 +448,7 @@ def _as_tensor(view: memoryview) -> torch.Tensor:
 
 def exchange(ctx: ShareContext, share: RankShare, backend: Backend,
              mine: dict[UnitKey, list[ItemRead]], delivery: Delivery, *, gap: int,
-             max_range: int) -> ExchangeStats:
+             max_range: int, key_of: Callable[[str], str] | None = None) -> ExchangeStats:
     """Run this rank's part of the sharing schedule (collective over ``ctx``).
 
     Args:
@@ -454,6 +459,8 @@ def exchange(ctx: ShareContext, share: RankShare, backend: Backend,
         delivery: Lays out and verifies what arrives (see :mod:`dcpstore.delivery`).
         gap: Coalescing gap of the owned units' range requests.
         max_range: Upper bound of one range request.
+        key_of: Maps a unit's path (a ``relative_path``) to its key in ``backend``
+            (an incremental checkpoint reads through its run root).
 
     Raises:
         PeerReadError: Another rank failed (its own error says why).
@@ -466,7 +473,7 @@ def exchange(ctx: ShareContext, share: RankShare, backend: Backend,
         pieces = [p for u in window for p in u.pieces]
         owned = [p for p in pieces if p.owner == ctx.rank]
         others = {p.key[:2] for p in pieces if p.owner != ctx.rank}
-        return _fetch(backend, owned, others, mine, gap, max_range, stats)
+        return _fetch(backend, owned, others, mine, gap, max_range, stats, key_of)
 
     # the next window's pieces are fetched while this one is exchanged and delivered
     with ThreadPoolExecutor(1, thread_name_prefix="dcpstore-share") as prefetch:

@@ -12,6 +12,7 @@ The reader itself only follows DCP's calls; the work is done by one module per j
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import uuid
 from typing import Any
@@ -28,7 +29,13 @@ from .delivery import Delivery, fetch_and_deliver
 from .errors import CheckpointNotFoundError, DcpstoreError, IntegrityError
 from .local import LocalBackend
 from .manifest import Manifest
-from .metadata_io import load_metadata, parse_metadata, read_manifest
+from .metadata_io import (
+    check_references,
+    load_metadata,
+    parse_metadata,
+    read_manifest,
+    references_in,
+)
 from .options import ReaderOptions
 from .read_plan import ChunkIndex, ItemRead, chunk_index, coalesce, plan_reads
 from .read_share import (
@@ -41,6 +48,7 @@ from .read_share import (
     share_context,
     unit_key,
 )
+from .references import root_key, run_root
 from .resolve import open_backend
 
 __all__ = ["Reader", "ReaderOptions"]
@@ -123,6 +131,8 @@ class Reader(StorageReader):
         self.metadata_error: BaseException | None = None
         #: The ranks this load shares reads with (``None``: it reads alone).
         self._share: ShareContext | None = None
+        # run root and this checkpoint's name in it, when it references sibling steps
+        self._run_root: tuple[Backend, str] | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.backend.uri!r})"
@@ -156,6 +166,9 @@ class Reader(StorageReader):
         self.metadata_error = None
         self._share = None
         self.load_id = uuid.uuid4().hex
+        if self._run_root is not None:
+            self._run_root[0].close()
+            self._run_root = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read and validate ``.metadata`` (and the manifest it names)."""
@@ -181,6 +194,7 @@ class Reader(StorageReader):
         if self.manifest is None and self.options.verify:
             # read_metadata ran on another object (e.g. metadata passed in directly)
             self.manifest = self._read_manifest(metadata)
+        self._bind_references(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Pass-through."""
@@ -223,20 +237,27 @@ class Reader(StorageReader):
         self.bytes_received = self.bytes_sent = 0
         self.items_partial = sum(r.partial is not None for r in requests)
         self.items_direct = 0
+        source, to_key = self.backend, None
+        if self._run_root is not None:  # an incremental checkpoint: read via the run root
+            source, name = self._run_root
+            to_key = functools.partial(root_key, name)
+            ranges = [dataclasses.replace(r, key=to_key(r.key)) for r in ranges]
         delivery = Delivery(self.backend.uri, planner, self.manifest, self._chunks,
                             self._transforms, allow_pickle=self.options.allow_pickle)
         try:
             if share is not None and self._share is not None:
                 # shared first: the other ranks wait for what this one fetches for them
-                stats = exchange(self._share, share, self.backend, shared, delivery,
+                stats = exchange(self._share, share, source, shared, delivery,
                                  gap=self.options.coalesce_gap,
-                                 max_range=self.options.max_range)
+                                 max_range=self.options.max_range, key_of=to_key)
                 self.bytes_read += stats.bytes_fetched
                 self.requests += stats.requests
                 self.bytes_received, self.bytes_sent = stats.bytes_received, stats.bytes_sent
-            fetch_and_deliver(self.backend, ranges, delivery)
+            fetch_and_deliver(source, ranges, delivery)
         finally:
             self.items_direct = delivery.items_direct
+            if source is not self.backend:
+                source.close()  # its threads and client; made again if used again
         logger.debug("%s: %d items (%d partial, %d shared) in %d requests, %d bytes fetched "
                      "(%d needed), %d received from and %d sent to other ranks",
                      self.backend.uri, len(requests), self.items_partial,
@@ -304,6 +325,20 @@ class Reader(StorageReader):
                 raise IntegrityError(f"{self.backend.uri}: the manifest belongs to save "
                                      f"{manifest.save_id}, not {save_id}")
         return metadata, raw, manifest
+
+    def _bind_references(self, metadata: Metadata) -> None:
+        """Admit references into sibling steps (recorded in the manifest) and open the
+        run root they are read through."""
+        if self._run_root is not None or not references_in(metadata):
+            return
+        manifest = self.manifest
+        if manifest is None:  # verify=False: still only the references the save made
+            save_id = layout.save_id_of_metadata(metadata,
+                                                 source=f"{self.backend.uri}/.metadata")
+            manifest = read_manifest(self.backend, save_id, required=True,
+                                     hint=" (its references cannot be checked without it)")
+        check_references(metadata, manifest, source=f"{self.backend.uri}/.metadata")
+        self._run_root = run_root(self.backend)
 
     def _read_manifest(self, metadata: Metadata) -> Manifest | None:
         if not self.options.verify:

@@ -8,17 +8,20 @@ state as DTensors: no gather on save, no scatter on load, reshardable at any wor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["AppState"]
+__all__ = ["AppState", "frozen_keys"]
 
 
 class AppState(Stateful):
@@ -31,6 +34,10 @@ class AppState(Stateful):
         extra: More state: ``Stateful`` objects or plain values (numbers, strings,
             tensors); plain values are updated in place on load.
         options: ``StateDictOptions`` for ``get_state_dict``/``set_state_dict``.
+        frozen_hint: Parameters with ``requires_grad=False`` do not change between
+            saves: an incremental :class:`~dcpstore.Checkpointer` references them from
+            the previous step without hashing them (size, dtype and shape are still
+            compared). Leave it off if frozen parameters are modified in place.
 
     Example:
         >>> dcpstore.save({"app": AppState(model, optim)}, uri)
@@ -44,8 +51,10 @@ class AppState(Stateful):
         lr_scheduler: Any = None,
         extra: dict[str, Any] | None = None,
         options: StateDictOptions | None = None,
+        frozen_hint: bool = False,
     ) -> None:
         self.model = model
+        self.frozen_hint = frozen_hint
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.extra = extra if extra is not None else {}
@@ -57,6 +66,19 @@ class AppState(Stateful):
         if isinstance(self.optimizer, (list, tuple)):
             return tuple(self.optimizer)
         return (self.optimizer,)
+
+    def frozen_model_keys(self) -> list[str]:
+        """Keys (in ``state_dict()["model"]``) of the parameters with
+        ``requires_grad=False``; empty unless ``frozen_hint``."""
+        if not self.frozen_hint:
+            return []
+        frozen = {_storage_of(p) for p in self.model.parameters() if not p.requires_grad}
+        frozen.discard(None)
+        if not frozen:
+            return []
+        model_sd = get_model_state_dict(self.model, options=self.options)
+        return sorted(k for k, v in model_sd.items()
+                      if isinstance(v, torch.Tensor) and _storage_of(v) in frozen)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=self.options)
@@ -87,3 +109,21 @@ class AppState(Stateful):
                 current.load_state_dict(value)
             else:
                 self.extra[key] = value
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+    """Where a (local shard of a) tensor lies: same place, same tensor."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    if local.numel() == 0:
+        return None
+    return local.data_ptr(), local.numel(), tuple(local.shape)
+
+
+def frozen_keys(state: Mapping[str, Any]) -> tuple[str, ...]:
+    """Flattened keys (as DCP names them: ``app.model.base.weight``) of the frozen
+    parameters of every ``AppState(frozen_hint=True)`` at the top level of ``state``."""
+    keys: list[str] = []
+    for name, value in state.items():
+        if isinstance(value, AppState):
+            keys += [f"{name}.model.{k}" for k in value.frozen_model_keys()]
+    return tuple(keys)

@@ -14,7 +14,15 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .errors import InvalidURIError, UnsafeKeyError
 
-__all__ = ["ParsedURI", "join_key", "parse_uri", "validate_key"]
+__all__ = [
+    "ParsedURI",
+    "is_reference",
+    "join_key",
+    "parse_uri",
+    "validate_key",
+    "validate_reference",
+    "validate_storage_path",
+]
 
 LOCAL_SCHEME = "file"
 
@@ -108,6 +116,50 @@ def validate_key(key: str) -> str:
             "the checkpoint root; refusing it"
         )
     return key
+
+
+#: How a ``relative_path`` that points into a sibling step begins.
+REFERENCE_PREFIX = "../"
+
+
+def is_reference(path: str) -> bool:
+    """Whether a ``relative_path`` points into a sibling checkpoint (``../step-x/...``)."""
+    return isinstance(path, str) and path.startswith(REFERENCE_PREFIX)
+
+
+def validate_reference(path: str) -> tuple[str, str]:
+    """Check a reference into a sibling checkpoint; return ``(sibling, file name)``.
+
+    A reference is exactly ``../<sibling>/<data file>.distcp``: one level up, one
+    directory down, one file. It can reach the run root's direct sub-directories and
+    nothing else.
+
+    Raises:
+        UnsafeKeyError: The path has any other form.
+    """
+    parts = path.split("/") if isinstance(path, str) else []
+    if (len(parts) != 3 or parts[0] != ".." or not parts[2].endswith(".distcp")
+            or "\\" in path or "\x00" in path
+            or any(seg in ("", ".", "..") or seg.startswith("/") for seg in parts[1:])):
+        raise UnsafeKeyError(
+            f"object key {path!r} contains '..' segments and could escape the checkpoint "
+            "root: it is not a reference of the form ../<sibling step>/<data file>.distcp; "
+            "refusing it"
+        )
+    return parts[1], parts[2]
+
+
+def validate_storage_path(path: str) -> str:
+    """Check a ``relative_path`` of ``.metadata``: a key inside the checkpoint, or a
+    reference into a sibling (see :func:`validate_reference`); return it.
+
+    Raises:
+        UnsafeKeyError: It is neither.
+    """
+    if is_reference(path):
+        validate_reference(path)
+        return path
+    return validate_key(path)
 
 
 def join_key(*parts: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -44,14 +45,18 @@ from ._version import __version__
 from .backend import Backend, Upload
 from .checksum import crc32c, crc32c_combine
 from .codec import encode_tensor
-from .errors import CheckpointExistsError, DcpstoreError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpstoreError, IntegrityError
 from .guard import LocalPlanSummary, check_global_plan, summarize_local_plan
 from .manifest import FileRecord, Manifest, Payload
+from .metadata_io import load_metadata, read_manifest
 from .options import WriterOptions
+from .read_plan import chunk_index
+from .references import reference_path, remove_pin, root_key, run_root, write_pin
 from .resolve import open_backend
 from .safe_pickle import safe_loads
+from .uri import validate_reference
 
-__all__ = ["Writer", "WriterOptions"]
+__all__ = ["Writer", "WriterOptions", "payload_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +72,42 @@ PAYLOAD_BLOCK = 1024 * 1024
 _COMBINE_MIN = 64 * 1024
 
 
+@dataclass(frozen=True)
+class _BaseItem:
+    """A tensor chunk of the base checkpoint an incremental save may reference."""
+
+    path: str  # relative_path from the new checkpoint (into the step holding the bytes)
+    offset: int
+    length: int
+    crc32c: int
+    payload: Payload
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+
+
+#: ``(fqn, chunk offsets)`` of a tensor chunk.
+_ChunkKey = tuple[str, tuple[int, ...]]
+
+
 @dataclass
 class _Assignment:
     """What the coordinator sends each rank in its global plan."""
 
     rank: int
     save_id: str
+    #: Chunks of this rank's plan that the base holds (incremental saves).
+    base: dict[_ChunkKey, _BaseItem] = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class _Base:
+    """The coordinator's view of the base of an incremental save."""
+
+    root: Backend  # the run root
+    name: str  # this checkpoint's directory in it
+    save_id: str  # the save that pinned it
+    items: dict[_ChunkKey, _BaseItem]
+    records: dict[str, FileRecord]  # by reference path
 
 
 @dataclass
@@ -85,6 +120,7 @@ class _WrittenItem:
     transform_descriptors: Sequence[str] | None
     crc32c: int
     file: FileRecord | None = None  # set on the last item of each file
+    reference: bool = False  # bytes of a sibling step (an incremental save)
 
 
 class _ChecksumStream(io.RawIOBase):
@@ -100,11 +136,16 @@ class _ChecksumStream(io.RawIOBase):
         # and the CRC32C of each PAYLOAD_BLOCK of it
         self._payload_size = 0
         self.payload_at: list[tuple[int, tuple[int, ...]]] = []
+        self._want_digest = False
+        self.payload_digest = ""
 
-    def expect_payload(self, nbytes: int) -> None:
-        """Note position and block CRCs of writes of ``nbytes`` bytes until the next call."""
+    def expect_payload(self, nbytes: int, *, digest: bool = False) -> None:
+        """Note position and block CRCs of writes of ``nbytes`` bytes until the next call
+        (and, with ``digest``, their XXH3-128 in :attr:`payload_digest`)."""
         self._payload_size = nbytes
         self.payload_at = []
+        self._want_digest = digest
+        self.payload_digest = ""
 
     def writable(self) -> bool:
         return True
@@ -116,10 +157,16 @@ class _ChecksumStream(io.RawIOBase):
         if size and size == self._payload_size:
             blocks = []
             crc = 0
+            # the content hash in the same pass, block by block, while each is in cache
+            hasher = xxhash.xxh3_128() if self._want_digest else None
             for lo in range(0, size, PAYLOAD_BLOCK):
                 block = view[lo : lo + PAYLOAD_BLOCK]
                 blocks.append(crc32c(block))
                 crc = crc32c_combine(crc, blocks[-1], len(block))
+                if hasher is not None:
+                    hasher.update(block)
+            if hasher is not None:
+                self.payload_digest = hasher.hexdigest()
             self.payload_at.append((self.position, tuple(blocks)))
             self._combine(crc, size)
         elif size >= _COMBINE_MIN:
@@ -171,6 +218,22 @@ def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]
     return [b for b in buckets if b]
 
 
+def payload_digest(tensor: torch.Tensor) -> str:
+    """XXH3-128 of a contiguous CPU tensor's bytes, as 32 hex digits."""
+    raw = tensor.reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_128_hexdigest(raw.data)
+
+
+def _chunk_key(fqn: str, offsets: Sequence[int] | None) -> _ChunkKey:
+    return fqn, tuple(int(o) for o in (offsets or ()))
+
+
+def _frozen_keys(value: Any) -> frozenset[str]:
+    if isinstance(value, str):
+        return frozenset(k.strip() for k in value.split(",") if k.strip())
+    return frozenset(value or ())
+
+
 def _prepare_tensor(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
@@ -215,6 +278,13 @@ class Writer(StorageWriter):
         self._previous: Metadata | None = None
         # the .metadata this save sent, once its PUT was attempted (see discard)
         self._commit_bytes: bytes | None = None
+        self._frozen = _frozen_keys(self.options.frozen)
+        self._base: _Base | None = None  # coordinator, incremental saves
+        #: Bytes of data files the last committed save wrote (coordinator).
+        self.bytes_written = 0
+        #: Bytes of items the last committed save referenced in sibling steps instead
+        #: of writing them again (coordinator).
+        self.bytes_referenced = 0
 
     def __repr__(self) -> str:
         return f"Writer({self.backend.uri!r}, overwrite={self.options.overwrite})"
@@ -245,6 +315,7 @@ class Writer(StorageWriter):
         self.save_id = layout.new_save_id()
         self._previous = None
         self._commit_bytes = None
+        self._release_base()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
@@ -274,8 +345,16 @@ class Writer(StorageWriter):
         if self.options.sharding_guard:
             check_global_plan(summaries)
         self._check_target()
+        self._release_base()
+        if self.options.base:
+            self._base = self._open_base(self.options.base)
+        known = self._base.items if self._base is not None else {}
         return [
-            dataclasses.replace(plan, storage_data=_Assignment(rank=i, save_id=self.save_id))
+            dataclasses.replace(plan, storage_data=_Assignment(
+                rank=i, save_id=self.save_id,
+                base={key: known[key] for key in (
+                    _chunk_key(item.index.fqn, item.index.offset) for item in plan.items
+                    if item.type != WriteItemType.BYTE_IO) if key in known}))
             for i, plan in enumerate(plans)
         ]
 
@@ -287,17 +366,18 @@ class Writer(StorageWriter):
                 "skipped (save-plan caching is not supported)?"
             )
         self.save_id = assignment.save_id
+        base = assignment.base
         buckets = _split_items(plan.items, self.options.files_per_rank)
         names = [layout.data_file_name(assignment.rank, i, self.save_id)
                  for i in range(len(buckets))]
         results: list[WriteResult] = []
         if len(buckets) <= 1:
             for name, bucket in zip(names, buckets, strict=True):
-                results += self._write_file(name, bucket, planner)
+                results += self._write_file(name, bucket, planner, base)
         else:
             # like torch's FileSystemWriter(thread_count=N): one thread per file
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-file") as pool:
-                futures = [pool.submit(self._write_file, n, b, planner)
+                futures = [pool.submit(self._write_file, n, b, planner, base)
                            for n, b in zip(names, buckets, strict=True)]
                 errors = []
                 for pending in futures:
@@ -314,6 +394,8 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_data: dict[Any, _StorageInfo] = {}
         files: dict[str, FileRecord] = {}
+        references: dict[str, FileRecord] = {}
+        referenced = 0
         for rank_results in results:
             for wr in rank_results:
                 item = cast(_WrittenItem, wr.storage_data)
@@ -321,8 +403,16 @@ class Writer(StorageWriter):
                     item.relative_path, item.offset, item.length,
                     transform_descriptors=item.transform_descriptors,
                 )
+                if item.reference:
+                    if self._base is None or item.relative_path not in self._base.records:
+                        raise DcpstoreError(f"rank results reference {item.relative_path}, "
+                                            "which is not a file of this save's base")
+                    references[item.relative_path] = self._base.records[item.relative_path]
+                    referenced += item.length
                 if item.file is not None:
                     files[item.relative_path] = item.file
+        if references:
+            self._check_referenced(references)
         metadata.storage_data = storage_data
         metadata.version = _DCP_VERSION
         metadata.storage_meta = StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
@@ -337,6 +427,7 @@ class Writer(StorageWriter):
             # .metadata is covered too: a damaged chunk offset there loads wrong values
             metadata=FileRecord(len(metadata_bytes), crc32c(metadata_bytes)),
             payload_block=PAYLOAD_BLOCK,
+            references=references,
         )
         manifest_key = layout.manifest_key(self.save_id)
         try:
@@ -356,13 +447,18 @@ class Writer(StorageWriter):
                     logger.error("commit of %s failed; removing this save's files",
                                  self.backend.uri)
                     self._delete_quietly([*files, manifest_key])
+                    self._release_base()
                 raise
             logger.warning("commit of %s: the .metadata request failed (%s), but the store "
                            "holds this save's .metadata: committed", self.backend.uri, exc)
+        self.bytes_written = manifest.total_bytes
+        self.bytes_referenced = referenced
         logger.info(
-            "committed %s (save %s, %d files, %.1f MB)", self.backend.uri, self.save_id,
-            len(files), manifest.total_bytes / 1e6,
+            "committed %s (save %s, %d files, %.1f MB written, %.1f MB referenced)",
+            self.backend.uri, self.save_id, len(files), manifest.total_bytes / 1e6,
+            referenced / 1e6,
         )
+        self._release_base()  # committed: the new step's references now protect them
         self._delete_stale(set(files))
 
     # -- failure handling ----------------------------------------------------------------
@@ -383,7 +479,10 @@ class Writer(StorageWriter):
             logger.warning("not removing the files of save %s at %s: its .metadata %s "
                            "committed", self.save_id, self.backend.uri,
                            "is" if landed else "may be")
+            if landed:
+                self._release_base()
             return landed
+        self._release_base()
         keys = [o.key for o in self.backend.list("__")
                 if layout.save_id_of(o.key) == self.save_id]
         keys.append(layout.manifest_key(self.save_id))
@@ -428,6 +527,106 @@ class Writer(StorageWriter):
                            "replaced but its data files are left for `dcpstore gc`",
                            self.backend.uri, exc)
 
+    def _open_base(self, uri: str) -> _Base | None:
+        """Coordinator: pin and read the base of an incremental save (see
+        :mod:`dcpstore.references` for the order of the steps and why)."""
+        root, name = run_root(self.backend)
+        base_backend = self._rebind(uri) if self._rebind is not None else open_backend(uri)
+        base = _Base(root, name, self.save_id, {}, {})
+        try:
+            base_root, base_name = run_root(base_backend)
+            if type(base_root) is not type(root) or base_root.location != root.location:
+                raise DcpstoreError(
+                    f"the base {base_backend.uri} of an incremental save to "
+                    f"{self.backend.uri} must be a sibling under the same run root "
+                    f"({root.uri}); references cannot leave the run root"
+                )
+            if base_name == name:
+                raise DcpstoreError(f"the base of an incremental save cannot be its own "
+                                    f"target ({self.backend.uri})")
+            write_pin(root, save_id=self.save_id, step=name, steps=[base_name])
+            self._base = base  # from here on, failures remove the pin
+            try:
+                metadata, raw = load_metadata(base_backend)
+            except CheckpointNotFoundError:
+                if self.options.base_required:
+                    raise CheckpointNotFoundError(
+                        f"the base {base_backend.uri} of the incremental save to "
+                        f"{self.backend.uri} is not a committed checkpoint") from None
+                logger.warning("base %s is gone; saving %s in full", base_backend.uri,
+                               self.backend.uri)
+                return base
+            source = f"{base_backend.uri}/.metadata"
+            manifest = read_manifest(base_backend, layout.save_id_of_metadata(
+                metadata, source=source), required=True)
+            if manifest is None:
+                logger.warning("base %s was not written by dcpstore (no content hashes); "
+                               "saving %s in full", base_backend.uri, self.backend.uri)
+                return base
+            manifest.check_metadata(raw, source=source)
+            holders = {validate_reference(p)[0] for p in manifest.references}
+            if holders:
+                write_pin(root, save_id=self.save_id, step=name, steps=[base_name, *holders])
+            try:  # unchanged since it was pinned, so a retention run cannot have missed it
+                still = base_backend.get(layout.METADATA_KEY) == raw
+            except FileNotFoundError:
+                still = False
+            if not still:
+                logger.warning("base %s was deleted or replaced while the save to %s "
+                               "started; saving in full", base_backend.uri, self.backend.uri)
+                return base
+            chunks = chunk_index(metadata)
+            for index, info in (metadata.storage_data or {}).items():
+                chunk = chunks.get(_chunk_key(index.fqn, index.offset))
+                payload = manifest.item_payload(info.relative_path, info.offset)
+                record = manifest.record(info.relative_path)
+                if (chunk is None or payload is None or not payload.digest
+                        or record is None or info.transform_descriptors):
+                    continue
+                crc = manifest.item_crc(info.relative_path, info.offset, info.length)
+                if crc is None:
+                    continue
+                path = reference_path(base_name, info.relative_path)
+                if validate_reference(path)[0] == name:
+                    continue  # bytes in this very directory: an overwrite may delete them
+                base.records[path] = record
+                base.items[_chunk_key(index.fqn, index.offset)] = _BaseItem(
+                    path, info.offset, info.length, crc, payload, chunk[0], chunk[1])
+            logger.info("incremental save to %s: base %s, %d candidate chunks",
+                        self.backend.uri, base_backend.uri, len(base.items))
+            return base
+        except BaseException:
+            if self._base is base:
+                self._release_base()  # removes the pin, closes the root
+            else:
+                root.close()
+            raise
+        finally:
+            base_backend.close()
+
+    def _release_base(self) -> None:
+        """Remove this save's pin and forget its base."""
+        base, self._base = self._base, None
+        if base is not None:
+            remove_pin(base.root, base.save_id)
+            base.root.close()
+
+    def _check_referenced(self, references: dict[str, FileRecord]) -> None:
+        """Before the commit: every referenced file is still there, whole."""
+        assert self._base is not None
+        for path, record in sorted(references.items()):
+            key = root_key(self._base.name, path)
+            try:
+                size = self._base.root.stat(key).size
+            except FileNotFoundError:
+                size = -1
+            if size != record.size:
+                raise IntegrityError(
+                    f"{self._base.root.uri}/{key}, which this incremental save references, "
+                    f"is {'gone' if size < 0 else f'{size} bytes, not {record.size}'}; "
+                    "nothing was committed. Save again (in full, or with another base)"
+                )
+
     def _delete_stale(self, keep: set[str]) -> None:
         previous = self._previous
         if previous is None:
@@ -453,13 +652,15 @@ class Writer(StorageWriter):
                            len(keys), self.backend.uri, exc)
 
     def _write_file(
-        self, name: str, items: Sequence[WriteItem], planner: SavePlanner
+        self, name: str, items: Sequence[WriteItem], planner: SavePlanner,
+        base: dict[_ChunkKey, _BaseItem] | None = None,
     ) -> list[WriteResult]:
         started = time.perf_counter()
         upload = self.backend.open_upload(name)
         stream = _ChecksumStream(upload)
         transforms = _StorageWriterTransforms(self.extensions) if self.extensions else None
         written: list[tuple[WriteItem, _WrittenItem]] = []
+        referenced: list[tuple[WriteItem, _WrittenItem]] = []
         records: list[tuple[int, int, int]] = []
         payloads: dict[int, Payload] = {}
         try:
@@ -471,6 +672,22 @@ class Writer(StorageWriter):
                 data = planner.resolve_data(item)
                 sink: Any = stream
                 descriptors: list[str] = []
+                digest = ""
+                want_digest = False
+                if item.type != WriteItemType.BYTE_IO:
+                    if not isinstance(data, torch.Tensor):
+                        raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data)}")
+                    tensor = _prepare_tensor(data)
+                    hashable = (transforms is None and tensor.is_contiguous()
+                                and tensor.nbytes >= _MIN_PAYLOAD)
+                    same, digest = (self._unchanged(item, tensor, base) if hashable
+                                    else (None, ""))
+                    if same is not None:
+                        ref = _WrittenItem(same.path, same.offset, same.length, None,
+                                           same.crc32c, reference=True)
+                        referenced.append((item, ref))
+                        continue
+                    want_digest = hashable and self.options.content_hash and not digest
                 if transforms is not None:
                     sink, descriptors = transforms.transform_save_stream(item, stream)
                 if item.type == WriteItemType.BYTE_IO:
@@ -478,15 +695,13 @@ class Writer(StorageWriter):
                         raise TypeError(f"byte item {item.index.fqn!r} resolved to {type(data)}")
                     sink.write(data.getbuffer())
                 else:
-                    if not isinstance(data, torch.Tensor):
-                        raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data)}")
-                    tensor = _prepare_tensor(data)
-                    stream.expect_payload(tensor.nbytes)
+                    stream.expect_payload(tensor.nbytes, digest=want_digest)
                     encode_tensor(tensor, sink)
                     if (transforms is None and tensor.is_contiguous()
                             and tensor.nbytes >= _MIN_PAYLOAD and len(stream.payload_at) == 1):
                         at, crcs = stream.payload_at[0]
-                        payloads[offset] = Payload(at - offset, tensor.nbytes, crcs)
+                        digest = digest or stream.payload_digest
+                        payloads[offset] = Payload(at - offset, tensor.nbytes, crcs, digest)
                     stream.expect_payload(0)
                 if transforms is not None:
                     sink.close()
@@ -494,6 +709,10 @@ class Writer(StorageWriter):
                 record = _WrittenItem(name, offset, length, descriptors or None, stream.item_crc)
                 written.append((item, record))
                 records.append((offset, length, stream.item_crc))
+            if not written:  # every item is referenced: no empty file
+                upload.abort()
+                return [WriteResult(index=item.index, size_in_bytes=0, storage_data=rec)
+                        for item, rec in referenced]
             info = upload.commit()
         except BaseException:
             upload.abort()
@@ -503,12 +722,30 @@ class Writer(StorageWriter):
                 f"{name}: backend stored {info.size} bytes, {stream.position} were written"
             )
         elapsed = time.perf_counter() - started
-        logger.debug("wrote %s: %d items, %d bytes in %.3fs", name, len(items),
-                     stream.position, elapsed)
-        if written:
-            written[-1][1].file = FileRecord(stream.position, stream.file_crc, records,
-                                             payloads)
+        logger.debug("wrote %s: %d items, %d bytes in %.3fs (%d items referenced)", name,
+                     len(written), stream.position, elapsed, len(referenced))
+        written[-1][1].file = FileRecord(stream.position, stream.file_crc, records, payloads)
         return [
             WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=rec)
             for item, rec in written
+        ] + [
+            WriteResult(index=item.index, size_in_bytes=0, storage_data=rec)
+            for item, rec in referenced
         ]
+
+    def _unchanged(self, item: WriteItem, tensor: torch.Tensor,
+                   base: dict[_ChunkKey, _BaseItem] | None) -> tuple[_BaseItem | None, str]:
+        """The base's copy of this tensor chunk if it is the same (size, dtype, shape and
+        XXH3-128; not hashed for keys the caller marked frozen), and the hash computed
+        on the way (``""``: none)."""
+        if not base or item.tensor_data is None:
+            return None, ""
+        same = base.get(_chunk_key(item.index.fqn, item.index.offset))
+        if (same is None or same.dtype != tensor.dtype or same.payload.nbytes != tensor.nbytes
+                or same.sizes != tuple(item.tensor_data.chunk.sizes)
+                or tuple(tensor.shape) != same.sizes):
+            return None, ""
+        if item.index.fqn in self._frozen:
+            return same, same.payload.digest
+        digest = payload_digest(tensor)
+        return (same if digest == same.payload.digest else None), digest

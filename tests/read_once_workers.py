@@ -17,7 +17,8 @@ from dcpstore import layout, read_share
 from dcpstore.metadata_io import load_metadata, read_manifest
 from dcpstore.testing import assert_state_equal
 
-__all__ = ["corrupt_payload_byte", "hsdp_state", "read_once_run", "replicated_state"]
+__all__ = ["corrupt_payload_byte", "hsdp_state", "incremental_state", "read_once_run",
+           "replicated_state"]
 
 
 def replicated_state(fill: bool) -> dict[str, Any]:
@@ -56,6 +57,14 @@ def hsdp_state(fill: bool) -> dict[str, Any]:
         "layers.0.b": distribute_tensor(t(512), mesh, [Replicate(), Replicate()]),
         "step": torch.tensor(9.0 if fill else 0.0),
     }
+
+
+def incremental_state(fill: bool) -> dict[str, Any]:
+    """The replicated state one step later: only the biases changed."""
+    state = replicated_state(fill)
+    if fill:
+        state["model.b1"] += 1.0
+    return state
 
 
 def _local(state: dict[str, Any]) -> dict[str, Any]:
@@ -99,6 +108,9 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
     dcpstore.save(hsdp_state(True), roots["hsdp"], **direct)
     dcpstore.save(replicated_state(True), roots["bad"], **direct)
     dcpstore.save(replicated_state(True), roots["gone"], **direct)
+    # an incremental step: everything but the biases is a reference into step 1
+    dcpstore.save(replicated_state(True), roots["inc1"], **direct)
+    dcpstore.save(incremental_state(True), roots["inc2"], base=roots["inc1"], **direct)
     if rank == 0:
         corrupt_payload_byte(roots["bad"], direct, "model.w1")
         backend = dcpstore.open_backend(roots["gone"], **direct)
@@ -110,6 +122,7 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
         ("rep_on", roots["rep"], replicated_state, {}),
         ("rep_off", roots["rep"], replicated_state, {"broadcast_reads": False}),
         ("hsdp_on", roots["hsdp"], hsdp_state, {}),
+        ("inc_on", roots["inc2"], incremental_state, {}),
     ):
         state = make(False)
         stats = _load(state, root, {**via[phase], **extra})

@@ -425,6 +425,8 @@ def _bad_names(store: Store) -> dict[str, str]:
         "backslash": "..\\..\\sentinel",
         "empty": "",
         "nul": "__0_0.distcp\x00../../sentinel",
+        # well formed, but no reference the save made (only recorded ones may leave)
+        "sibling": "../other-step/__0_0.distcp",
     }
 
 
@@ -454,7 +456,7 @@ def _exercise(store: Store, md: Metadata, expected: type[BaseException]) -> None
 
 
 @pytest.mark.parametrize("bad", ["dotdot", "absolute", "inner_dotdot", "backslash", "empty",
-                                 "nul"])
+                                 "nul", "sibling"])
 def test_traversal_in_storage_data(store: Store, bad: str, spy: list[str]) -> None:
     md = _save(store)
     name = _bad_names(store)[bad]
@@ -466,7 +468,7 @@ def test_traversal_in_storage_data(store: Store, bad: str, spy: list[str]) -> No
 
 
 @pytest.mark.parametrize("bad", ["dotdot", "absolute", "inner_dotdot", "backslash", "empty",
-                                 "nul"])
+                                 "nul", "sibling"])
 def test_traversal_in_manifest(store: Store, bad: str, spy: list[str]) -> None:
     md = _save(store)
     raw = pickle.dumps(md)

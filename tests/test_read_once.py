@@ -30,7 +30,7 @@ from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
-PHASES = ("rep_on", "rep_off", "hsdp_on")
+PHASES = ("rep_on", "rep_off", "hsdp_on", "inc_on")
 
 
 def _counting(gets: Counter[str]) -> FaultPlan:
@@ -47,6 +47,8 @@ def test_read_once_replicated_and_hsdp(request: pytest.FixtureRequest, tmp_path:
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     store = build_store("seaweedfs", request, tmp_path, monkeypatch)
     roots = {name: store.uri(name) for name in ("rep", "hsdp", "bad", "gone")}
+    # an incremental step and the step it references, siblings under one run root
+    roots |= {"inc1": store.uri("run/step-000000001"), "inc2": store.uri("run/step-000000002")}
     gets = {phase: Counter[str]() for phase in PHASES}
     proxies = {phase: FaultProxy(store.upstream or "", _counting(gets[phase]))
                for phase in PHASES}
@@ -68,12 +70,18 @@ def test_read_once_replicated_and_hsdp(request: pytest.FixtureRequest, tmp_path:
             backend.close()
 
     rep, hsdp = unique(roots["rep"]), unique(roots["hsdp"])
+    inc_own = unique(roots["inc2"])
     report = {"unique": {"rep": rep, "hsdp": hsdp}, "fetched": down,
               "ranks": [{p: r[p] for p in PHASES} for r in results]}
     # the store served each byte about once with sharing, every rank's bytes without
     assert rep <= down["rep_on"] <= 1.1 * rep, report
     assert hsdp <= down["hsdp_on"] <= 1.1 * hsdp, report
     assert down["rep_off"] >= 3.5 * rep, report
+    # an incremental step: its own bytes and the referenced ones of step 1 (read through
+    # the run root) are shared too, and the step writes far less than a full one
+    assert inc_own < rep / 2, report
+    assert down["inc_on"] <= 1.1 * (rep + inc_own), report
+    assert min(r["inc_on"]["bytes_received"] for r in results) > 0, report
     for phase in ("rep_on", "hsdp_on"):
         metadata = [n for n in gets[phase] if n == ".metadata"]
         manifests = [n for n in gets[phase] if n.startswith(".dcpstore-")]
