@@ -27,7 +27,9 @@ class LocalPlanSummary:
     Attributes:
         rank: The rank that made the plan.
         plain: Global shape of each plain (non-DTensor) tensor item.
-        sharded: Global shape of each DTensor / sharded item.
+        sharded: Global shape of each DTensor / sharded item whose shard starts at the
+            origin (every DTensor has one such shard on some rank, so the coordinator
+            learns each global shape once, not once per rank).
     """
 
     rank: int
@@ -44,7 +46,7 @@ def summarize_local_plan(plan: SavePlan, rank: int) -> LocalPlanSummary:
         size = tuple(item.tensor_data.size)
         if item.type == WriteItemType.TENSOR:
             summary.plain[item.index.fqn] = size
-        elif item.type == WriteItemType.SHARD:
+        elif item.type == WriteItemType.SHARD and not any(item.tensor_data.chunk.offsets):
             summary.sharded[item.index.fqn] = size
     return summary
 
