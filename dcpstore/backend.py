@@ -456,7 +456,9 @@ class Backend(abc.ABC):
     def list_dirs(self, prefix: str = "", *, start_after: str = "") -> builtins.list[str]:
         """The directories directly under ``prefix``, sorted: for every key
         ``prefix + name + "/" + rest``, ``name`` once. Only names greater than
-        ``start_after`` are returned.
+        ``start_after`` are returned. A directory whose objects were all deleted may
+        still be listed where the store keeps directories (local disk, SeaweedFS's
+        filer): callers check what they need inside (``.metadata``).
 
         Args:
             prefix: ``""`` (the root) or a key prefix ending in ``/``.

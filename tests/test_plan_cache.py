@@ -80,8 +80,14 @@ def _cached_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
         assert isinstance(w, DTensor)
         loaded[name] = {"w": w.full_tensor(), "norm": target["norm"], "step": target["step"],
                         **({"bias": target["bias"]} if extra else {})}
+    # load_model_weights: the coordinator alone reads the keys, every rank gets them
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(16, 4))
+    model.norm = torch.nn.Parameter(torch.zeros(4))
+    dcpstore.load_model_weights(model, os.path.join(root, "b"))
+    weights = {"w": model.w.detach().clone(), "norm": model.norm.detach().clone()}
     return {"ids": ids, "guard_runs": guard_runs, "usable": usable, "refused": refused,
-            "loaded": loaded}
+            "loaded": loaded, "weights": weights}
 
 
 def test_plan_caching_reuses_the_plan_with_a_fresh_save_id(tmp_path: Path) -> None:
@@ -94,6 +100,10 @@ def test_plan_caching_reuses_the_plan_with_a_fresh_save_id(tmp_path: Path) -> No
     assert rank0["guard_runs"] == [2, 2, 2] and rank1["guard_runs"] == []
     assert "'buf'" in rank0["refused"] and "different shapes" in rank0["refused"]
     assert not (tmp_path / "e" / ".metadata").exists()
+
+    for rank in results:
+        assert torch.equal(rank["weights"]["w"], torch.arange(64.0).reshape(16, 4) + 2.0)
+        assert torch.equal(rank["weights"]["norm"], torch.full((4,), 2.0))
 
     # every save had its own id, the same on both ranks, and the store agrees
     assert rank0["ids"] == rank1["ids"]
