@@ -562,6 +562,21 @@ def to_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare_markdown(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """One table of two runs (each world size: before, then after)."""
+    tables = [to_markdown(before).splitlines(), to_markdown(after).splitlines()]
+    worlds = [r["ranks"] for r in before["rows"]]
+    if worlds != [r["ranks"] for r in after["rows"]]:
+        raise ValueError("the two runs measured different world sizes")
+    head = "| | " + " | ".join(f"{w} before | {w} after" for w in worlds) + " |"
+    lines = [head, "|---" * (2 * len(worlds) + 1) + "|"]
+    for old, new in zip(tables[0][2:], tables[1][2:], strict=True):
+        a, b = old.strip("|").split(" | "), new.strip("|").split(" | ")
+        cells = [c for pair in zip(a[1:], b[1:], strict=True) for c in pair]
+        lines.append(f"|{a[0]} | " + " | ".join(c.strip() for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -569,6 +584,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="tiny model at 4 and 8 ranks, 5 steps retained (seconds; CI)")
     parser.add_argument("--layers", type=int, default=Mix.layers)
+    parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="print one table of two scale.json files and exit")
     parser.add_argument("--out", type=Path, default=None,
                         help="write scale.json and scale.md into this folder")
     return parser.parse_args(argv)
@@ -576,6 +593,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(p.read_text()) for p in args.compare)
+        print(compare_markdown(before, after), end="")
+        return 0
     if args.quick:
         mix, worlds, retained = QUICK_MIX, [4, 8], 5
     else:

@@ -48,6 +48,10 @@ def test_quick_model_counts() -> None:
     table = scale.to_markdown(doc)
     assert table.count("\n") == len(table.strip().splitlines())
     assert "| | 4 ranks | 8 ranks |" in table and "requests per save" in table
+    both = scale.compare_markdown(doc, doc).splitlines()
+    assert both[0] == "| | 4 before | 4 after | 8 before | 8 after |"
+    assert len(both) == len(table.splitlines())
+    assert all(line.count("|") == 6 for line in both)
 
 
 def test_command_line_quick(tmp_path: Path) -> None:
