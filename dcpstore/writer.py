@@ -342,10 +342,10 @@ class Writer(StorageWriter):
         """Coordinator: check the target once, run the sharding guard, and give every
         rank this save's id.
 
-        With torch's plan caching, a rank whose local plan is unchanged sends
-        ``SavePlan([], usable=False)`` and later writes the plan it cached: it gets an
-        empty, unusable plan carrying only the fresh save id (the guard is skipped when
-        no plan changed, and otherwise checks the changed plans with the cached rest).
+        With torch's plan caching, a rank whose global plan is unchanged gets
+        ``SavePlan([], usable=False)`` and writes the plan it cached: that empty plan
+        carries this save's fresh id. The guard is skipped when no local plan changed
+        and checks every rank's plan as soon as one did (see :func:`_guard_input`).
         """
         if self.options.sharding_guard:
             summaries = _guard_input(plans)
