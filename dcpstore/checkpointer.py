@@ -13,7 +13,9 @@ staging, and a local tier.
     ckpt.close()
 
 Every method is collective when ``torch.distributed`` is initialized: call it on every
-rank. Only the coordinator lists the store; the answer is broadcast.
+rank. Only the coordinator lists the store; the answer is broadcast. After each commit at
+the root the coordinator writes a small latest pointer (:mod:`dcpstore.latest`), so
+``latest()`` costs a few requests however many ranks and steps there are.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import collections
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 import warnings
@@ -39,6 +40,8 @@ from .api import load
 from .backend import Backend
 from .dist import is_distributed, single_process_quiet, unwrap
 from .errors import CheckpointNotFoundError, DcpstoreError
+from .latest import Pointer, find_latest, step_dir, write_pointer
+from .latest import committed_steps as _committed_steps
 from .local_tier import (
     DrainError,
     Step,
@@ -50,7 +53,7 @@ from .local_tier import (
     publish_step,
 )
 from .options import ReaderOptions
-from .references import delete_steps
+from .references import INCREMENTAL_DIR, delete_steps
 from .resolve import _READER, Resolved, _own_values, open_backend, resolve
 from .staging import (
     BackgroundWriter,
@@ -70,7 +73,6 @@ __all__ = ["BackgroundWriterDiedError", "CheckpointSaveError", "Checkpointer", "
 
 logger = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -265,6 +267,9 @@ class Checkpointer:
         #: ``"remote"``), ``uri`` and ``seconds``.
         self.last_load: dict[str, Any] = {}
         self._closed = False
+        # steps this process saw committed at the root (no HEAD needed to list them)
+        self._known: set[int] = set()
+        self._pointer_step = -1  # the step of the last latest pointer written here
 
     def _resolve_root(self) -> tuple[Resolved, Backend]:
         with self._resolve_lock:
@@ -308,9 +313,11 @@ class Checkpointer:
         whose ``where`` says ``"local"``, ``"remote"`` or ``"both"``).
 
         A step counts as local only when every rank's local tier holds it. The root is
-        listed once, by the coordinator; the answer is shared with every rank.
+        listed once, by the coordinator (one delimiter listing of the step directories
+        and one HEAD per directory it has not seen committed); the answer is shared
+        with every rank.
         """
-        remote: list[int] | None = committed_steps(self._root) if self._is_coordinator() else None
+        remote: list[int] | None = self._remote_steps() if self._is_coordinator() else None
         if self.local_tier is None:
             found = self._broadcast(remote)
             return [Step(s, local=False, remote=True) for s in found]
@@ -322,9 +329,60 @@ class Checkpointer:
                 for s in sorted(local | remote_set)]
 
     def latest(self) -> Step | None:
-        """The newest step committed anywhere every rank can reach, or ``None``."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest step committed anywhere every rank can reach, or ``None``.
+
+        At the root the coordinator reads the latest pointer, checks it against that
+        step's ``.metadata`` and looks for newer step directories in one delimiter
+        listing (a pointer update lost in a crash is noticed); without a usable pointer
+        it falls back to the listing. Never an uncommitted step.
+        """
+        remote = self._remote_latest() if self._is_coordinator() else None
+        if self.local_tier is None:
+            found = self._broadcast(remote)
+            return None if found is None else Step(found, local=False, remote=True)
+        mine = set(local_committed_steps(self.local_tier))
+        gathered = self._all_gather((mine, remote))
+        local = set.intersection(*(g[0] for g in gathered))
+        newest_remote = gathered[0][1]
+        candidates = local | ({newest_remote} if newest_remote is not None else set())
+        if not candidates:
+            return None
+        newest = max(candidates)
+        return Step(newest, local=newest in local, remote=newest == newest_remote)
+
+    def _remote_steps(self) -> list[int]:
+        """Committed steps at the root (coordinator)."""
+        found = _committed_steps(self._root, self._known)
+        self._known = set(found)
+        return found
+
+    def _remote_latest(self) -> int | None:
+        """The newest committed step at the root (coordinator)."""
+        found = find_latest(self._root)
+        if found is not None:
+            self._known.add(found)
+        return found
+
+    def _publish_latest(self, step: int, save_id: str | None,
+                        metadata_size: int | None = None) -> None:
+        """Coordinator, after ``step`` committed at the root: point latest at it.
+
+        A failure is logged, not raised: the step is committed, and ``latest()`` finds
+        it by listing when the pointer lags.
+        """
+        self._known.add(step)
+        if step < self._pointer_step:
+            return  # an older step committed late (a drain): the pointer stays newer
+        try:
+            if metadata_size is None:
+                metadata_size = self._root.stat(f"{step_dir(step)}/{layout.METADATA_KEY}").size
+            if not save_id:
+                raise DcpstoreError(f"step {step} has no dcpstore save id")
+            write_pointer(self._root, Pointer(step, save_id, metadata_size))
+            self._pointer_step = step
+        except Exception as exc:
+            logger.warning("could not update the latest pointer of %s to step %d (%s); "
+                           "latest() finds it by listing", self.root_uri, step, exc)
 
     # -- save / load -------------------------------------------------------------------
 
@@ -404,10 +462,10 @@ class Checkpointer:
             raise ValueError(f"step must be >= 0, got {step}")
         if self.local_tier is None:
             if step is None:
-                found = self.steps()
-                if not found:
+                at_root = self.latest()
+                if at_root is None:
                     raise self._not_found()
-                step = int(found[-1])
+                return self._load_remote(state, int(at_root), started, options)
             return self._load_remote(state, step, started, options)
 
         # the root listing (step=None only) overlaps the local load
@@ -416,7 +474,7 @@ class Checkpointer:
             listing = Future()
             # resolving the root (importing its client library) happens on that thread too
             threading.Thread(target=_fill,
-                             args=(listing, lambda: committed_steps(self._root)),
+                             args=(listing, self._remote_latest_list),
                              name="dcpstore-list", daemon=True).start()
         if step is None:
             mine = set(local_committed_steps(self.local_tier))
@@ -455,6 +513,10 @@ class Checkpointer:
             logger.info("step %d is newer at %s than the local tier's %d; loading it",
                         newest, self.root_uri, loaded)
         return self._load_remote(state, newest, started, options)
+
+    def _remote_latest_list(self) -> list[int]:
+        found = self._remote_latest()
+        return [] if found is None else [found]
 
     def _not_found(self) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(
@@ -545,6 +607,7 @@ class Checkpointer:
         The step stops being a checkpoint at once (its ``.metadata`` goes first); data
         files that other steps reference stay until no retained step needs them.
         """
+        self._known.discard(step)
         if self._is_coordinator():
             delete_steps(self._root, [step_dir(step)])
         self._barrier()
@@ -662,10 +725,14 @@ class Checkpointer:
                        f"({failed.error}); saving it straight to {self.root_uri}")
                 logger.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        writer = self._remote_writer(step)
         try:
-            self._dcp_save(step, state, self._remote_writer(step), group)
+            self._dcp_save(step, state, writer, group)
         except _SaveFailed as failed:
             raise self._save_error(step, failed, self.step_uri(step)) from failed.error
+        if writer.is_coordinator:
+            size = len(writer._commit_bytes) if writer._commit_bytes is not None else None
+            self._publish_latest(step, writer.save_id, size)
         self._retain(group)
         return "remote"
 
@@ -798,6 +865,8 @@ class Checkpointer:
                                          overwrite=self._resolved.writer().overwrite)
                         except Exception as exc:
                             outcome = f"commit: {type(exc).__name__}: {exc}"
+                        else:
+                            self._publish_latest(step, *_local_commit(local))
                     outcome = self._broadcast(outcome, group)
                     if outcome is None:
                         logger.info("step %d drained to %s", step, self.step_uri(step))
@@ -838,12 +907,19 @@ class Checkpointer:
         if self.keep_last is None:
             return
         if self._rank(group) == 0:
-            steps = committed_steps(self._root)
+            dirs = self._root.list_dirs()
+            steps = _committed_steps(self._root, self._known, dirs)
+            self._known = set(steps)
             doomed = steps[: max(0, len(steps) - self.keep_last)]
             if doomed:
                 logger.info("retention: deleting steps %s under %s", doomed, self.root_uri)
-                # reference-aware: files a kept step references stay (dcpstore.references)
-                delete_steps(self._root, [step_dir(s) for s in doomed])
+                self._known.difference_update(doomed)
+                if self.incremental or INCREMENTAL_DIR in dirs:
+                    # files a kept step references stay (dcpstore.references)
+                    delete_steps(self._root, [step_dir(s) for s in doomed])
+                else:  # no step here references another: nothing to read first
+                    for old in doomed:
+                        _delete_closing(self._root.child(step_dir(old)))
         self._barrier(group)
 
     def _retain_local(self, group: Any) -> None:
@@ -852,7 +928,7 @@ class Checkpointer:
         doomed: list[int] | None = None
         if self._rank(group) == 0:
             local = local_committed_steps(self.local_tier)
-            remote = set(committed_steps(self._root))
+            remote = set(self._remote_steps())
             newest_remote = max(remote, default=-1)
             keep = set(local[-self.keep_last_local:])
             doomed = [s for s in local if s not in keep
@@ -963,20 +1039,34 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def step_dir(step: int) -> str:
-    """Directory name of a step: ``step-000000123``."""
-    return f"step-{step:09d}"
-
-
 def committed_steps(root: Backend) -> list[int]:
-    """Steps under ``root`` that have a ``.metadata`` (one listing)."""
-    steps = set()
-    for obj in root.list("step-"):
-        head, _, tail = obj.key.partition("/")
-        m = _STEP_RE.match(head)
-        if m and tail == layout.METADATA_KEY:
-            steps.add(int(m.group(1)))
-    return sorted(steps)
+    """Steps under ``root`` that have a ``.metadata``, oldest first (one delimiter
+    listing of the step directories, one HEAD each; see :mod:`dcpstore.latest`)."""
+    return _committed_steps(root)
+
+
+def _local_commit(local_step: str) -> tuple[str | None, int | None]:
+    """Save id and ``.metadata`` size of the committed save in a local-tier step (what
+    the drain published byte for byte); ``(None, None)`` when that cannot be told."""
+    path = os.path.join(local_step, layout.METADATA_KEY)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 4096))
+            tail = f.read()
+    except OSError:
+        return None, None
+    ids = {layout.save_id_of(n) for n in _listdir(local_step) if n.startswith(".dcpstore-")}
+    named = [i for i in ids if i is not None and i.encode() in tail]
+    return (named[0], size) if len(named) == 1 else (None, None)
+
+
+def _delete_closing(ckpt: Backend) -> None:
+    """:func:`delete_checkpoint`, then release the backend made for it (its client)."""
+    try:
+        delete_checkpoint(ckpt)
+    finally:
+        ckpt.close()
 
 
 def delete_checkpoint(ckpt: Backend) -> int:

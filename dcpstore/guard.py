@@ -26,8 +26,12 @@ class LocalPlanSummary:
 
     Attributes:
         rank: The rank that made the plan.
-        plain: Global shape of each plain (non-DTensor) tensor item.
-        sharded: Global shape of each DTensor / sharded item.
+        plain: Shape of each plain (non-DTensor) tensor item that has a dimension
+            (a scalar's shape cannot differ between ranks nor be a shard, so neither
+            check needs it; at scale the gather carries one entry per rank and key).
+        sharded: Global shape of each DTensor / sharded item whose shard starts at the
+            origin (every DTensor has one such shard on some rank, so the coordinator
+            learns each global shape once, not once per rank).
     """
 
     rank: int
@@ -43,8 +47,9 @@ def summarize_local_plan(plan: SavePlan, rank: int) -> LocalPlanSummary:
             continue
         size = tuple(item.tensor_data.size)
         if item.type == WriteItemType.TENSOR:
-            summary.plain[item.index.fqn] = size
-        elif item.type == WriteItemType.SHARD:
+            if size:
+                summary.plain[item.index.fqn] = size
+        elif item.type == WriteItemType.SHARD and not any(item.tensor_data.chunk.offsets):
             summary.sharded[item.index.fqn] = size
     return summary
 

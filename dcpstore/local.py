@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from typing_extensions import Buffer
@@ -272,6 +272,16 @@ class LocalBackend(Backend):
                     continue
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
+    def _list_dirs(self, prefix: str, start_after: str) -> Iterable[str]:
+        start = self._path(prefix.rstrip("/")) if prefix else self.location
+        try:
+            entries = list(os.scandir(start))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        # a directory counts once it holds a file somewhere below it (as on a store)
+        return [e.name for e in entries if e.name > start_after
+                and e.is_dir(follow_symlinks=False) and _holds_file(e.path)]
+
     def _delete(self, keys: Sequence[str]) -> None:
         parents = set()
         for key in keys:
@@ -304,3 +314,8 @@ class LocalBackend(Backend):
                 errno.ENOENT, f"no such object {key!r} under {self.location}", self._path(key)
             ))
         return None
+
+
+def _holds_file(path: str) -> bool:
+    """Whether a file exists anywhere under directory ``path``."""
+    return any(files for _, _, files in os.walk(path))

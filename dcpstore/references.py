@@ -50,12 +50,14 @@ from .metadata_io import load_metadata
 from .uri import is_reference, validate_key, validate_reference
 
 __all__ = [
+    "INCREMENTAL_DIR",
     "PINS_DIR",
     "RETIRED_KEY",
     "Pin",
     "RootListing",
     "delete_steps",
     "list_root",
+    "mark_incremental",
     "read_pins",
     "reference_path",
     "referenced_keys",
@@ -71,6 +73,10 @@ logger = logging.getLogger(__name__)
 PINS_DIR = ".dcpstore-pins"
 #: Marker of a deleted step whose data files other steps still reference.
 RETIRED_KEY = ".dcpstore-retired.json"
+#: Directory whose presence marks a run root that has held incremental saves. Only under
+#: such a root can a step's files be referenced by another, so retention elsewhere
+#: deletes steps without reading the retained ones (see :func:`mark_incremental`).
+INCREMENTAL_DIR = ".dcpstore-incremental"
 
 
 def run_root(ckpt: Backend) -> tuple[Backend, str]:
@@ -133,6 +139,13 @@ def write_pin(root: Backend, *, save_id: str, step: str, steps: Iterable[str]) -
            "created": time.time()}
     root.put(key, json.dumps(doc).encode(), atomic=True)
     return key
+
+
+def mark_incremental(root: Backend) -> None:
+    """Mark ``root`` as a run root that holds references (before the first pin of an
+    incremental save, so no committed step references another under an unmarked root)."""
+    root.put(f"{INCREMENTAL_DIR}/run.json",
+             json.dumps({"references": True, "marked": time.time()}).encode(), atomic=True)
 
 
 def remove_pin(root: Backend, save_id: str) -> None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -106,9 +107,8 @@ def load_model_weights(model: nn.Module, uri: str, *, strict: bool = True,
         )
         return
     with _reader(uri, **options) as reader:
-        metadata = reader.read_metadata()
+        saved = _saved_keys(reader)
         target = get_model_state_dict(model)
-        saved = metadata.state_dict_metadata
         keys = list(target)
         if strict:
             prefix = _model_prefix(keys, saved)
@@ -122,6 +122,24 @@ def load_model_weights(model: nn.Module, uri: str, *, strict: bool = True,
                      no_dist=not is_distributed())
     set_model_state_dict(model, {k: flat[prefix + k] for k in keys},
                          options=StateDictOptions(strict=strict))
+
+
+def _saved_keys(reader: Reader) -> dict[str, None]:
+    """The checkpoint's keys, read by the coordinator alone and shared (collective)."""
+    found: dict[str, None] | BaseException | None = None
+    if not is_distributed() or dist.get_rank() == 0:
+        try:
+            found = dict.fromkeys(reader.read_metadata().state_dict_metadata)
+        except Exception as exc:  # every rank raises it, none waits for the broadcast
+            found = exc
+    if is_distributed():
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    if isinstance(found, BaseException):
+        raise found
+    assert found is not None
+    return found
 
 
 def _tensor_keys(metadata: Metadata) -> list[tuple[str, TensorStorageMetadata]]:

@@ -24,6 +24,7 @@ import dataclasses
 import io
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,14 @@ from .manifest import FileRecord, Manifest, Payload
 from .metadata_io import load_metadata, read_manifest
 from .options import WriterOptions
 from .read_plan import chunk_index
-from .references import reference_path, remove_pin, root_key, run_root, write_pin
+from .references import (
+    mark_incremental,
+    reference_path,
+    remove_pin,
+    root_key,
+    run_root,
+    write_pin,
+)
 from .resolve import open_backend
 from .safe_pickle import safe_loads
 from .uri import validate_reference
@@ -70,6 +78,11 @@ PAYLOAD_BLOCK = 1024 * 1024
 # Writes at least this large are checksummed once and combined into the item and file
 # CRCs; smaller ones (archive headers) are cheaper to checksum twice than to combine.
 _COMBINE_MIN = 64 * 1024
+
+
+#: ``Writer`` works with torch's save-plan caching
+#: (``DefaultSavePlanner(enable_plan_caching=True)``).
+SUPPORTS_PLAN_CACHING = True
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,72 @@ class _Base:
     save_id: str  # the save that pinned it
     items: dict[_ChunkKey, _BaseItem]
     records: dict[str, FileRecord]  # by reference path
+
+
+class _FreshSaveId:
+    """The save id of this save, sent in the (otherwise empty) global plan of a save
+    whose plan torch took from its plan cache.
+
+    On a cache hit DCP still scatters the coordinator's global plan, but each rank then
+    writes the plan it cached (with the save id of the save that filled the cache).
+    Unpickling this object on the receiving rank notes the fresh id for the thread that
+    runs the save; :meth:`Writer.write_data` replaces the cached plan's id with it.
+    """
+
+    def __init__(self, save_id: str) -> None:
+        self.save_id = save_id
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _received_save_id, (self.save_id,)
+
+    def __repr__(self) -> str:
+        return f"_FreshSaveId({self.save_id!r})"
+
+
+_pending = threading.local()
+
+
+def _received_save_id(save_id: str) -> _FreshSaveId:
+    """Unpickling hook of :class:`_FreshSaveId`: note ``save_id`` for this thread."""
+    _pending.save_id = save_id
+    return _FreshSaveId(save_id)
+
+
+def _take_pending_save_id() -> str | None:
+    save_id: str | None = getattr(_pending, "save_id", None)
+    _pending.save_id = None
+    return save_id
+
+
+def _summary(plan: SavePlan, rank: int) -> LocalPlanSummary:
+    data = plan.storage_data
+    return data if isinstance(data, LocalPlanSummary) else LocalPlanSummary(rank)
+
+
+def _guard_input(plans: Sequence[SavePlan]) -> dict[int, LocalPlanSummary] | None:
+    """Every rank's local-plan summary for the sharding guard; ``None`` when torch's
+    plan cache found no local plan changed (those plans passed the guard when cached:
+    torch caches a rank's local plan only once the global plan was accepted).
+
+    With some plans changed, torch hands the storage writer only the global plans that
+    changed, so a rank whose change was deduplicated away (a plain tensor saved by
+    another rank: what the guard is for) arrives as an empty plan. The summaries of
+    every rank are then those of the local plans torch merged for this save.
+    """
+    if all(p.usable for p in plans):
+        return {i: _summary(p, i) for i, p in enumerate(plans)}
+    if not any(p.usable for p in plans):
+        return None
+    changed = [i for i, p in enumerate(plans) if p.usable]
+    cache = getattr(SavePlanner, "_cached_all_plans", None)
+    for merged in (cache or {}).values():
+        if len(merged) == len(plans) and all(
+                merged[i].storage_data is plans[i].storage_data
+                or merged[i].storage_data == plans[i].storage_data for i in changed):
+            return {i: _summary(p, i) for i, p in enumerate(merged)}
+    logger.warning("torch's merged local plans were not found; the sharding guard checks "
+                   "only the %d changed plans", len(changed))
+    return {i: _summary(plans[i], i) for i in changed}
 
 
 @dataclass
@@ -322,6 +401,7 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        _take_pending_save_id()  # nothing left over from an earlier save on this thread
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -337,34 +417,46 @@ class Writer(StorageWriter):
         return dataclasses.replace(plan, storage_data=summarize_local_plan(plan, self.rank))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        summaries = {
-            i: p.storage_data if isinstance(p.storage_data, LocalPlanSummary)
-            else LocalPlanSummary(i)
-            for i, p in enumerate(plans)
-        }
+        """Coordinator: check the target once, run the sharding guard, and give every
+        rank this save's id.
+
+        With torch's plan caching, a rank whose global plan is unchanged gets
+        ``SavePlan([], usable=False)`` and writes the plan it cached: that empty plan
+        carries this save's fresh id. The guard is skipped when no local plan changed
+        and checks every rank's plan as soon as one did (see :func:`_guard_input`).
+        """
         if self.options.sharding_guard:
-            check_global_plan(summaries)
+            summaries = _guard_input(plans)
+            if summaries is not None:
+                check_global_plan(summaries)
         self._check_target()
         self._release_base()
         if self.options.base:
+            if not all(p.usable for p in plans):
+                raise DcpstoreError(
+                    f"{self.backend.uri}: an incremental save (base={self.options.base}) "
+                    "cannot reuse a cached save plan: which bytes are references changes "
+                    "with every base. Use a planner without enable_plan_caching for "
+                    "incremental saves"
+                )
             self._base = self._open_base(self.options.base)
         known = self._base.items if self._base is not None else {}
-        return [
-            dataclasses.replace(plan, storage_data=_Assignment(
-                rank=i, save_id=self.save_id,
-                base={key: known[key] for key in (
-                    _chunk_key(item.index.fqn, item.index.offset) for item in plan.items
-                    if item.type != WriteItemType.BYTE_IO) if key in known}))
-            for i, plan in enumerate(plans)
-        ]
+        out = []
+        for i, plan in enumerate(plans):
+            if plan.usable:
+                out.append(dataclasses.replace(plan, storage_data=_Assignment(
+                    rank=i, save_id=self.save_id,
+                    base={key: known[key] for key in (
+                        _chunk_key(item.index.fqn, item.index.offset) for item in plan.items
+                        if item.type != WriteItemType.BYTE_IO) if key in known})))
+            else:
+                out.append(dataclasses.replace(plan, storage_data=_FreshSaveId(self.save_id)))
+        if not plans[self.rank if self.rank < len(plans) else 0].usable:
+            _pending.save_id = self.save_id  # this rank may get its plan without a pickle
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        assignment = plan.storage_data
-        if not isinstance(assignment, _Assignment):
-            raise DcpstoreError(
-                "the global plan carries no dcpstore assignment; was prepare_global_plan "
-                "skipped (save-plan caching is not supported)?"
-            )
+        assignment = self._assignment(plan)
         self.save_id = assignment.save_id
         base = assignment.base
         buckets = _split_items(plan.items, self.options.files_per_rank)
@@ -390,6 +482,22 @@ class Writer(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _assignment(self, plan: SavePlan) -> _Assignment:
+        """This rank's assignment for this save: the plan's own, or, for a plan torch
+        took from its cache, its rank with the save id the coordinator just sent."""
+        assignment = plan.storage_data
+        if not isinstance(assignment, _Assignment):
+            raise DcpstoreError(
+                "the global plan carries no dcpstore assignment; was prepare_global_plan "
+                "skipped, or the plan made for another storage writer?"
+            )
+        fresh = _take_pending_save_id()
+        if fresh is not None and fresh != assignment.save_id:
+            logger.debug("cached save plan: save id %s replaces %s", fresh,
+                         assignment.save_id)
+            assignment = _Assignment(rank=assignment.rank, save_id=fresh)
+        return assignment
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_data: dict[Any, _StorageInfo] = {}
@@ -544,6 +652,7 @@ class Writer(StorageWriter):
             if base_name == name:
                 raise DcpstoreError(f"the base of an incremental save cannot be its own "
                                     f"target ({self.backend.uri})")
+            mark_incremental(root)
             write_pin(root, save_id=self.save_id, step=name, steps=[base_name])
             self._base = base  # from here on, failures remove the pin
             try:

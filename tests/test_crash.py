@@ -49,6 +49,7 @@ from stores import Store, build_store, full_requested
 import dcpstore
 from dcpstore import layout, ops
 from dcpstore.checkpointer import step_dir
+from dcpstore.latest import POINTER_KEY, read_pointer
 from dcpstore.testing import assert_state_equal
 
 pytestmark = pytest.mark.multiprocess
@@ -209,8 +210,19 @@ def _check_checkpointer(store: Store, plan: CrashPlan, allowed: set[str], cli: b
         assert 1 in steps, "retention ran although step 3 was never committed"
     for step in steps:
         _assert_loads(store, f"{root}/{step_dir(step)}", step)
+    # the latest pointer names a committed step (step 2 when the crash came between step
+    # 3's commit and its pointer update: latest() found step 3 by listing)
+    files = store.files(root)
+    assert POINTER_KEY in files
+    backend = dcpstore.open_backend(root, **store.options)
+    try:
+        pointer = read_pointer(backend)
+    finally:
+        backend.close()
+    assert pointer is not None and pointer.step in steps and pointer.step >= 2, pointer
     # whatever else is there (a crashed step 3, a half-deleted step 1) fails loudly
-    leftovers = {f.split("/", 1)[0] for f in store.files(root)} - {step_dir(s) for s in steps}
+    leftovers = ({f.split("/", 1)[0] for f in files} - {step_dir(s) for s in steps}
+                 - {POINTER_KEY})
     for head in sorted(leftovers):
         with pytest.raises((dcpstore.IncompleteCheckpointError,
                             dcpstore.CheckpointNotFoundError)):
@@ -221,7 +233,7 @@ def _check_checkpointer(store: Store, plan: CrashPlan, allowed: set[str], cli: b
 
     assert ckpt.steps() == steps
     expected = {f"{step_dir(s)}/{k}" for s in steps
-                for k in _committed_files(store, f"{root}/{step_dir(s)}")}
+                for k in _committed_files(store, f"{root}/{step_dir(s)}")} | {POINTER_KEY}
     assert store.files(root) == expected
     assert store.uploads(root) == []
     for step in steps:

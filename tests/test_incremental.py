@@ -187,6 +187,35 @@ def test_checkpointer_retention_keeps_referenced_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == []
 
 
+def test_plain_checkpointer_on_an_incremental_root_keeps_referenced_files(
+        tmp_path: Path) -> None:
+    """Retention without references to follow skips reading the kept steps, but only
+    where no incremental save ever ran: a plain Checkpointer resuming an incremental run
+    still keeps the files a retained step references."""
+    plain, run = tmp_path / "plain", tmp_path / "run"
+    state = lora_state()
+    with dcpstore.Checkpointer(str(plain), keep_last=1) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+    assert not (plain / references.INCREMENTAL_DIR).exists()
+    assert not (plain / "step-000000001").exists()
+
+    with dcpstore.Checkpointer(str(run), incremental=True) as ckpt:
+        ckpt.save(1, state)
+        advance(state)
+        ckpt.save(2, state)  # references step 1's frozen base
+    assert (run / references.INCREMENTAL_DIR).is_dir()
+    with dcpstore.Checkpointer(str(run), keep_last=2) as ckpt:
+        advance(state)
+        ckpt.save(3, state)  # a full save; retention deletes step 1, which 2 references
+        assert [int(s) for s in ckpt.steps()] == [2, 3]
+        out = zeros_like(state)
+        ckpt.load(out, step=2)
+    assert ops.verify_checkpoint(f"{run}/step-000000002").ok
+    kept = sorted(p.name for p in (run / "step-000000001").iterdir())
+    assert layout.METADATA_KEY not in kept and references.RETIRED_KEY in kept
+
+
 def test_ops_follow_references(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "run"
     state = lora_state()

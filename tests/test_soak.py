@@ -51,6 +51,7 @@ from stores import Store
 import dcpstore
 from dcpstore import layout
 from dcpstore.checkpointer import step_dir
+from dcpstore.latest import POINTER_KEY, read_pointer
 from dcpstore.ops import remove_checkpoint, verify_checkpoint
 from dcpstore.safe_pickle import safe_loads
 from dcpstore.testing import assert_state_equal
@@ -185,6 +186,10 @@ def _expected_objects(store: Store, steps: list[int]) -> set[str]:
             assert len(files) == 2, files  # files_per_rank=2
             files |= {layout.METADATA_KEY, layout.manifest_key(md.storage_meta.save_id)}
             keys |= {f"{step_dir(step)}/{f}" for f in files}
+        if steps:  # the latest pointer, naming the newest step
+            keys.add(POINTER_KEY)
+            pointer = read_pointer(root)
+            assert pointer is not None and pointer.step == max(steps)
     finally:
         root.close()
     return keys

@@ -43,6 +43,7 @@ def test_checkpointer_save_latest_load_and_retention(tmp_path: Path) -> None:
         ckpt.save(step, {"app": dcpstore.AppState(model, optim, sched, extra={"step": step})})
     assert ckpt.steps() == [3, 4]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ".dcpstore-latest.json",
         "step-000000003",
         "step-000000004",
     ]

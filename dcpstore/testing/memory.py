@@ -214,6 +214,16 @@ class MemoryBackend(Backend):
         for key, data, mtime in items:
             yield ObjectInfo(key, len(data), mtime)
 
+    def _list_dirs(self, prefix: str, start_after: str) -> Iterable[str]:
+        store = self._bucket()
+        root = f"{self.prefix}/" if self.prefix else ""
+        with store.lock:
+            store.requests["list"] += 1  # one delimiter listing
+            names = [name[len(root + prefix):] for name in store.objects
+                     if name.startswith(root + prefix)]
+        heads = {n.partition("/")[0] for n in names if "/" in n}
+        return {h for h in heads if h > start_after}
+
     def _delete(self, keys: Sequence[str]) -> None:
         store = self._bucket()
         with store.lock:

@@ -476,6 +476,24 @@ class GCSBackend(Backend):
             if not token:
                 return out
 
+    async def _list_prefixes(self, prefix: str, start_offset: str) -> list[str]:
+        """Common prefixes (``delimiter=/``) under ``prefix``, from ``start_offset`` on."""
+        out: list[str] = []
+        token: str | None = None
+        while True:
+            params = {"prefix": prefix, "delimiter": "/", "maxResults": "1000",
+                      "fields": "prefixes,nextPageToken"}
+            if start_offset:
+                params["startOffset"] = start_offset
+            if token:
+                params["pageToken"] = token
+            _, _, raw = await self._request("GET", self._url("o"), params=params)
+            page = _json(raw)
+            out += [str(p) for p in page.get("prefixes", [])]
+            token = page.get("nextPageToken")
+            if not token:
+                return out
+
     async def _read_range(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
         """One ranged GET streamed into ``outs`` in order (no staging buffer)."""
         client = self.client
@@ -563,6 +581,15 @@ class GCSBackend(Backend):
             if key.startswith(UPLOADS_PREFIX) and not prefix.startswith(UPLOADS_PREFIX):
                 continue  # in-flight composite parts are not objects of the checkpoint
             yield ObjectInfo(key, size, mtime)
+
+    def _list_dirs(self, prefix: str, start_after: str) -> Iterator[str]:
+        base = self._name(prefix) if self.prefix else prefix
+        # every name in directory `start_after` sorts before this ('0' follows '/')
+        start = base + start_after + "0" if start_after else ""
+        for name in self._run(self._list_prefixes(base, start)):
+            segment = name[len(base):].rstrip("/")
+            if segment and not (prefix + segment + "/").startswith(UPLOADS_PREFIX):
+                yield segment
 
     def _delete(self, keys: Sequence[str]) -> None:
         self._run(self._delete_objects([self._name(k) for k in keys]))

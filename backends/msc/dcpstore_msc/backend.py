@@ -506,6 +506,24 @@ class MSCBackend(Backend):
             yield ObjectInfo(key, int(meta.content_length),
                              modified.timestamp() if modified is not None else None)
 
+    def _list_dirs(self, prefix: str, start_after: str) -> Iterator[str]:
+        base = self.root.strip("/")
+        full_prefix = f"{base}/{prefix}" if base else prefix
+        listing = ("/" + full_prefix) if self.root.startswith("/") else full_prefix
+        try:
+            # include_directories: one level, a delimiter listing on object stores
+            entries = list(self.client.list(path=listing, include_directories=True))
+        except FileNotFoundError:
+            return
+        for meta in entries:
+            name = str(meta.key).lstrip("/")
+            if not name.startswith(full_prefix):
+                continue
+            rest = name[len(full_prefix):]
+            segment, sep, _ = rest.rstrip("/").partition("/")
+            if segment and (sep or getattr(meta, "type", "file") == "directory"):
+                yield segment
+
     def _delete(self, keys: Sequence[str]) -> None:
         self.client.delete_many([self._full(k) for k in keys])
 

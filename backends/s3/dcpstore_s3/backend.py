@@ -420,6 +420,25 @@ class S3Backend(Backend):
                 return
             params["ContinuationToken"] = token
 
+    def _list_dirs(self, prefix: str, start_after: str) -> Iterator[str]:
+        base = self.root + prefix
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
+        if start_after:
+            # every key of directory `start_after` sorts before this ('0' follows '/')
+            params["StartAfter"] = base + start_after + "0"
+        while True:
+            response = self._request("list_objects_v2", **params)
+            for common in response.get("CommonPrefixes", ()):
+                name = str(common["Prefix"])[len(base):].rstrip("/")
+                if self.keys.hashed and _is_hash_dir(name):
+                    continue  # the hash prefix strategy's own level, not a directory
+                if name:
+                    yield name
+            token = response.get("NextContinuationToken")
+            if not response.get("IsTruncated") or not token:
+                return
+            params["ContinuationToken"] = token
+
     def _delete(self, keys: Sequence[str]) -> None:
         physical: list[str] = []
         for key in keys:
@@ -499,3 +518,8 @@ def _shared_loader() -> Any:
 
             _loader = create_loader()
         return _loader
+
+
+def _is_hash_dir(name: str) -> bool:
+    """Whether ``name`` is a two-hex-digit prefix of the ``hash`` prefix strategy."""
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
