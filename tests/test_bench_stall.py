@@ -148,6 +148,14 @@ def test_copy_limit_of_another_store_and_load_note() -> None:
     assert stall.copy_limit(result, 64 * MiB, "seaweedfs") == pytest.approx(0.10)
     targets = {t["id"]: t for t in stall.evaluate_targets(result)}
     assert targets[f"blocked-seaweedfs-{64 * MiB}-dcpstore[thread]"]["status"] == "PASS"
+    # so the copy limit runs once per size, on the first store
+    args = stall.parse_args(["--sizes", "1MiB", "2MiB", "--stores", "local", "seaweedfs",
+                             "--systems", "copy-limit", "dcpstore[[]thread]"])
+    plan, skipped = stall.build_plan(args)
+    assert [(st, labels) for _, st, labels in plan] == [
+        ("local", ["copy-limit", "dcpstore[thread]"]), ("seaweedfs", ["dcpstore[thread]"]),
+        ("local", ["copy-limit", "dcpstore[thread]"]), ("seaweedfs", ["dcpstore[thread]"])]
+    assert [(sk["store"], sk["system"]) for sk in skipped] == [("seaweedfs", "copy-limit")] * 2
     assert stall.load_note(result) is None  # nothing sampled
     cases[1]["load"] = [{"load_start": 1.0, "load_end": 2.0, "others_cores": 0.1}]
     note = stall.load_note(result)
