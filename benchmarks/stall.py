@@ -36,12 +36,14 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import json
 import logging
 import os
 import random
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -569,50 +571,58 @@ def main(argv: list[str] | None = None) -> int:
         "tier" in label for _, _, labels in plan for label in labels) else set()),
         key=list(STORE_KINDS).index)
     pool = RankPool(args.world_size)
+    compute: dict[tuple[int, str], float] = {}
+
+    def result_of(suite: _Suite, stores: _StoreSet, *, partial: bool) -> dict[str, Any]:
+        cases = [copy.deepcopy(c) for c in suite.cases.values()
+                 if c["runs"] or c["errors"] != [
+                     f"run {i + 1}: not run: memory" for i in range(len(c["errors"]))]]
+        return {
+            "harness_version": 1,
+            "suite": "stall",
+            "partial": partial,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "duration_s": time.time() - started,
+            "command": "python -m benchmarks.stall " + " ".join(shlex.quote(a) for a in (
+                sys.argv[1:] if argv is None else argv)),
+            "machine": machine_info(),
+            "quiet": quiet,
+            "versions": versions(),
+            "config": {"mode": args.mode, "world_size": args.world_size, "saves": args.saves,
+                       "runs": args.runs, "sizes": args.size_bytes, "stores": args.stores,
+                       "tensors": args.tensors, "seed": args.seed,
+                       "matmuls_per_s": rate, "resume": resume, "compute": args.compute,
+                       "compute_s": {f"{format_bytes(k[0])} {k[1]}": v
+                                     for k, v in compute.items()},
+                       "request_settings": stall_systems.REQUEST_SETTINGS},
+            "stores": stores.describe(),
+            "skipped": skipped + suite.skipped,
+            "cases": cases,
+            "resume": copy.deepcopy(list(suite.resume.values())),
+        }
+
+    # SIGTERM (a stopped run) unwinds like Ctrl-C: servers and ranks are stopped, and the
+    # results of the cases that finished are on disk already
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         stores = _StoreSet(store_names, args.out, args.local_dir)
         try:
             suite = _Suite(args, stores, pool, rate)
-            compute = {}
             for size, store, labels in plan:
                 compute[(size, store)] = cs = compute_seconds(args, store, size)
                 for rep, order in enumerate(balanced_orders(labels, args.runs, args.seed)):
                     for label in order:
                         suite.run_case(size, store, label, rep, cs)
+                        _write_partial(result_of(suite, stores, partial=True), args.out)
                 if resume and store == "seaweedfs":
                     for rep in range(args.runs):
                         suite.run_resume(size, rep)
-            stores_info = stores.describe()
-            cases = [c for c in suite.cases.values() if c["runs"] or c["errors"] != [
-                f"run {i + 1}: not run: memory" for i in range(len(c["errors"]))]]
-            skipped += suite.skipped
-            resumes = list(suite.resume.values())
+                        _write_partial(result_of(suite, stores, partial=True), args.out)
+            result = result_of(suite, stores, partial=False)
         finally:
             stores.close()
     finally:
         pool.close()
-    result: dict[str, Any] = {
-        "harness_version": 1,
-        "suite": "stall",
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "duration_s": time.time() - started,
-        "command": "python -m benchmarks.stall " + " ".join(shlex.quote(a) for a in (
-            sys.argv[1:] if argv is None else argv)),
-        "machine": machine_info(),
-        "quiet": quiet,
-        "versions": versions(),
-        "config": {"mode": args.mode, "world_size": args.world_size, "saves": args.saves,
-                   "runs": args.runs, "sizes": args.size_bytes, "stores": args.stores,
-                   "tensors": args.tensors, "seed": args.seed,
-                   "matmuls_per_s": rate, "resume": resume, "compute": args.compute,
-                   "compute_s": {f"{format_bytes(k[0])} {k[1]}": v
-                                 for k, v in compute.items()},
-                   "request_settings": stall_systems.REQUEST_SETTINGS},
-        "stores": stores_info,
-        "skipped": skipped,
-        "cases": cases,
-        "resume": resumes,
-    }
     return _finish(result, args.out)
 
 
@@ -792,6 +802,9 @@ def render_markdown(result: dict[str, Any]) -> str:
     """The Markdown report (``result`` as in ``results.json``)."""
     cfg, m = result["config"], result["machine"]
     lines = [f"# dcpstore stall suite ({cfg['mode']} mode, {result['started']})", ""]
+    if result.get("partial"):
+        lines += ["**Partial: the run was stopped or is still going; these are the cases "
+                  "that finished.**", ""]
     lines.append(f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), "
                  f"{format_bytes(m['memory_bytes'])} RAM, Linux {m['kernel']}, Python "
                  f"{m['python']}, commit {m.get('git_commit')}. Versions: "
@@ -916,6 +929,22 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _write_partial(result: dict[str, Any], out: Path) -> None:
+    """results.json and results.md of the cases finished so far (``"partial": true``)."""
+    for c in result["cases"]:
+        c["summary"] = summarize(c)
+    for e in result.get("resume", []):
+        e["summary"] = _summarize_resume(e)
+    result["targets"] = evaluate_targets(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / "results.md").write_text(render_markdown(result))
 
 
 def _finish(result: dict[str, Any], out: Path) -> int:

@@ -213,6 +213,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads((out / "results.json").read_text())
     assert result["config"]["saves"] == 2 and result["config"]["stores"] == ["local"]
+    assert result["partial"] is False
     cases = {c["system"]: c for c in result["cases"]}
     assert sorted(cases) == sorted(QUICK_SYSTEMS)
     for name, c in cases.items():
