@@ -36,12 +36,14 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import json
 import logging
 import os
 import random
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -74,7 +76,7 @@ SYSTEMS["s3"] = [*SYSTEMS["local"][:6], "dcpstore-tier[blocking]", "dcpstore-tie
                  *SYSTEMS["local"][6:], "s3torchconnector-async[thread]"]
 STORE_KINDS = {"local": "local", "seaweedfs": "s3"}
 #: Assumed blocking-save MB/s of the whole state per store (compute step sizing, estimate).
-_ASSUMED_MBPS = {"local": 900.0, "seaweedfs": 150.0}
+_ASSUMED_MBPS = {"local": 900.0, "seaweedfs": 170.0}
 _LOAD_MBPS = {"local": 2000.0, "seaweedfs": 400.0}
 _MiB = 1 << 20
 
@@ -102,8 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(e.g. 'dcpstore*' copy-limit 'torch-async[[]thread]')")
     p.add_argument("--compute-s", type=float,
                    help="seconds of one compute step (fixed matmul work calibrated once "
-                        "at the start; default: 1.5x the assumed blocking save of the "
-                        "state on each store, at least 1 s; quick: 0.25 s)")
+                        "at the start; default: --compute-factor x the assumed blocking "
+                        "save of the state on each store, at least 1 s; quick: 0.25 s)")
+    p.add_argument("--compute-factor", type=float, default=1.5,
+                   help="without --compute-s: the compute step is this many times the "
+                        "assumed blocking save of the state on each store (default 1.5)")
     p.add_argument("--compute", choices=("matmul", "idle"), default="matmul",
                    help="the compute step: matmuls on the rank's core (default), or idle "
                         "for as long (a GPU step: the host CPU is left to the save)")
@@ -207,6 +212,57 @@ def machine_quiet() -> dict[str, Any]:
     return info
 
 
+def _others_cpu() -> dict[tuple[int, float], float]:
+    """CPU seconds used so far by every process outside this run's process tree."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    me = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+    out: dict[tuple[int, float], float] = {}
+    for proc in psutil.process_iter(["pid", "create_time", "cpu_times"]):
+        if proc.info["pid"] in me or proc.info["cpu_times"] is None:
+            continue
+        t = proc.info["cpu_times"]
+        out[(proc.info["pid"], proc.info["create_time"])] = t.user + t.system
+    return out
+
+
+class _LoadProbe:
+    """Load while a case runs: the 1-minute load average at its start and end, and the
+    cores other processes (not this run's) used on average meanwhile."""
+
+    def __init__(self) -> None:
+        self.load_start = os.getloadavg()[0]
+        self._cpu = _others_cpu()
+        self._t0 = time.monotonic()
+
+    def finish(self) -> dict[str, float]:
+        after = _others_cpu()
+        used = sum(max(0.0, v - self._cpu.get(k, 0.0)) for k, v in after.items())
+        wall = max(1e-6, time.monotonic() - self._t0)
+        return {"load_start": self.load_start, "load_end": os.getloadavg()[0],
+                "others_cores": used / wall}
+
+
+def load_note(result: dict[str, Any]) -> str | None:
+    """A warning when other processes used a noticeable share of the CPUs during cases."""
+    samples = [x for c in result.get("cases", []) for x in c.get("load", [])]
+    samples += [x for r in result.get("resume", []) for x in r.get("load", [])]
+    if not samples:
+        return None
+    cpus = result.get("machine", {}).get("cpus") or os.cpu_count() or 1
+    others = [x["others_cores"] for x in samples]
+    loads = [x["load_end"] for x in samples]
+    text = (f"other processes (not this run's) used {statistics.median(others):.2f} "
+            f"[{min(others):.2f}-{max(others):.2f}] of {cpus} cores on average during the "
+            f"cases; 1-min load average at case ends {min(loads):.1f}-{max(loads):.1f} "
+            "(this run's own ranks and servers included)")
+    if max(others) > 0.25 * cpus:
+        return "machine not quiet: " + text + " -- figures are noisy"
+    return text
+
+
 # -- running -------------------------------------------------------------------------------
 
 
@@ -234,7 +290,8 @@ def compute_seconds(args: argparse.Namespace, store: str, size: int) -> float:
     """Seconds one compute step is sized to (see ``--compute-s``)."""
     if args.compute_s is not None:
         return float(args.compute_s)
-    return max(0.25 if args.quick else 1.0, 1.5 * size / 1e6 / _ASSUMED_MBPS[store])
+    return max(0.25 if args.quick else 1.0,
+               args.compute_factor * size / 1e6 / _ASSUMED_MBPS[store])
 
 
 def estimate_seconds(args: argparse.Namespace, plan: list[tuple[int, str, list[str]]]) -> float:
@@ -250,8 +307,68 @@ def estimate_seconds(args: argparse.Namespace, plan: list[tuple[int, str, list[s
     return total
 
 
+#: Bytes a SeaweedFS server takes before it is replaced by a fresh one (``weed mini``
+#: does not reclaim deleted objects' space until a vacuum; after ~100 GiB it answered
+#: HTTP 500 to every upload).
+SEAWEEDFS_BUDGET = 32 << 30
+
+
+class _StoreSet:
+    """The stores of a run, each in its own :class:`Stores`, so that SeaweedFS can be
+    replaced by a fresh, empty server between cases (see :data:`SEAWEEDFS_BUDGET`)."""
+
+    def __init__(self, names: list[str], workdir: Path, local_dir: str | None) -> None:
+        self.workdir = workdir
+        self.local_dir = local_dir
+        self._stores: dict[str, Stores] = {}
+        self.info: dict[str, StoreInfo] = {}
+        self.written: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}
+        self._described: dict[str, Any] = {}
+        try:
+            for name in names:
+                self._start(name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, name: str) -> None:
+        stores = Stores([name], self.workdir, local_dir=self.local_dir, count_requests=False)
+        stores.__enter__()
+        self._stores[name] = stores
+        self.info[name] = stores.info[name]
+        self.written[name] = 0
+        self._described.update(stores.describe())
+
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Account ``nbytes`` about to be written to ``name``; replace the server first
+        when that would exceed its budget."""
+        if name == "seaweedfs" and self.written[name] and \
+                self.written[name] + nbytes > SEAWEEDFS_BUDGET:
+            print(f"  (fresh SeaweedFS server: {format_bytes(self.written[name])} written "
+                  "to the last one)", flush=True)
+            self._stores.pop(name).__exit__(None, None, None)
+            self._start(name)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.written[name] += nbytes
+
+    def delete(self, name: str, path: str) -> None:
+        """Delete a finished case's objects (see :meth:`Stores.delete`)."""
+        self._stores[name].delete(name, path)
+
+    def describe(self) -> dict[str, Any]:
+        """As :meth:`Stores.describe`, plus how often each server was replaced."""
+        return {name: {**d, "fresh_restarts": self.restarts.get(name, 0)}
+                for name, d in self._described.items()}
+
+    def close(self) -> None:
+        """Stop every store."""
+        while self._stores:
+            self._stores.popitem()[1].__exit__(None, None, None)
+
+
 class _Suite:
-    def __init__(self, args: argparse.Namespace, stores: Stores, pool: RankPool,
+    def __init__(self, args: argparse.Namespace, stores: _StoreSet, pool: RankPool,
                  rate: float) -> None:
         self.args = args
         self.stores = stores
@@ -315,6 +432,9 @@ class _Suite:
         else:
             options["compute_iters"] = max(1, round(compute_s * self.rate))
         timeout = self._timeout(size, compute_s)
+        self.stores.reserve(store_name, size * args.saves)
+        store = self.stores.info[store_name]
+        probe = _LoadProbe()
         started = time.monotonic()
         try:
             ranks = self._job("save", label, store, path, spec, options, timeout)
@@ -337,6 +457,7 @@ class _Suite:
             print(f"  {store_name:<9} {format_bytes(size):>7} r{rep + 1} {label:<32} FAILED: "
                   f"{first[0] if first else exc}", flush=True)
         finally:
+            case.setdefault("load", []).append(probe.finish())
             self._cleanup(store_name, path)
 
     def _cleanup(self, store_name: str, path: str) -> None:
@@ -350,11 +471,13 @@ class _Suite:
 
     def run_resume(self, size: int, rep: int) -> None:
         """Prepare a tiered checkpoint, then load it in restarted ranks three ways."""
+        self.stores.reserve("seaweedfs", 2 * size)
         store = self.stores.info["seaweedfs"]
         spec = WorkloadSpec(size, tensors=self.args.tensors, seed=self.args.seed)
         entry = self.resume.setdefault((size, "seaweedfs"), {
             "size": size, "state_bytes": spec.state_bytes, "store": "seaweedfs",
-            "loads": {"tier": [], "remote": [], "local": []}, "errors": []})
+            "loads": {"tier": [], "remote": [], "local": []}, "errors": [], "load": []})
+        probe = _LoadProbe()
         path = f"stall/{self.run_id}/{format_bytes(size).replace(' ', '')}/resume/r{rep}"
         timeout = 300.0 + 4 * size / 2e6
         try:
@@ -374,6 +497,7 @@ class _Suite:
             print(f"  seaweedfs {format_bytes(size):>7} r{rep + 1} resume FAILED: "
                   f"{str(exc).strip().splitlines()[0]}", flush=True)
         finally:
+            entry["load"].append(probe.finish())
             self._cleanup("seaweedfs", path)
 
 
@@ -392,11 +516,20 @@ def build_plan(args: argparse.Namespace) -> tuple[list[tuple[int, str, list[str]
     plan: list[tuple[int, str, list[str]]] = []
     skipped: list[dict[str, Any]] = []
     for size in args.size_bytes:
+        copied_on: str | None = None
         for store in args.stores:
             labels = []
             for label in SYSTEMS[STORE_KINDS[store]]:
                 if not _selected(label, args.systems):
                     continue
+                if label == "copy-limit" and copied_on is not None:
+                    # the copy into preallocated memory does not touch the store
+                    skipped.append({"store": store, "size": size, "system": label,
+                                    "reason": f"not run again: measured on {copied_on} (the "
+                                              "copy does not touch the store)"})
+                    continue
+                if label == "copy-limit":
+                    copied_on = store
                 reason = stall_systems.get(label).unavailable()
                 if reason:
                     skipped.append({"store": store, "size": size, "system": label,
@@ -438,48 +571,58 @@ def main(argv: list[str] | None = None) -> int:
         "tier" in label for _, _, labels in plan for label in labels) else set()),
         key=list(STORE_KINDS).index)
     pool = RankPool(args.world_size)
+    compute: dict[tuple[int, str], float] = {}
+
+    def result_of(suite: _Suite, stores: _StoreSet, *, partial: bool) -> dict[str, Any]:
+        cases = [copy.deepcopy(c) for c in suite.cases.values()
+                 if c["runs"] or c["errors"] != [
+                     f"run {i + 1}: not run: memory" for i in range(len(c["errors"]))]]
+        return {
+            "harness_version": 1,
+            "suite": "stall",
+            "partial": partial,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "duration_s": time.time() - started,
+            "command": "python -m benchmarks.stall " + " ".join(shlex.quote(a) for a in (
+                sys.argv[1:] if argv is None else argv)),
+            "machine": machine_info(),
+            "quiet": quiet,
+            "versions": versions(),
+            "config": {"mode": args.mode, "world_size": args.world_size, "saves": args.saves,
+                       "runs": args.runs, "sizes": args.size_bytes, "stores": args.stores,
+                       "tensors": args.tensors, "seed": args.seed,
+                       "matmuls_per_s": rate, "resume": resume, "compute": args.compute,
+                       "compute_s": {f"{format_bytes(k[0])} {k[1]}": v
+                                     for k, v in compute.items()},
+                       "request_settings": stall_systems.REQUEST_SETTINGS},
+            "stores": stores.describe(),
+            "skipped": skipped + suite.skipped,
+            "cases": cases,
+            "resume": copy.deepcopy(list(suite.resume.values())),
+        }
+
+    # SIGTERM (a stopped run) unwinds like Ctrl-C: servers and ranks are stopped, and the
+    # results of the cases that finished are on disk already
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        with Stores(store_names, args.out, local_dir=args.local_dir,
-                    count_requests=False) as stores:
+        stores = _StoreSet(store_names, args.out, args.local_dir)
+        try:
             suite = _Suite(args, stores, pool, rate)
-            compute = {}
             for size, store, labels in plan:
                 compute[(size, store)] = cs = compute_seconds(args, store, size)
                 for rep, order in enumerate(balanced_orders(labels, args.runs, args.seed)):
                     for label in order:
                         suite.run_case(size, store, label, rep, cs)
+                        _write_partial(result_of(suite, stores, partial=True), args.out)
                 if resume and store == "seaweedfs":
                     for rep in range(args.runs):
                         suite.run_resume(size, rep)
-            stores_info = stores.describe()
-            cases = [c for c in suite.cases.values() if c["runs"] or c["errors"] != [
-                f"run {i + 1}: not run: memory" for i in range(len(c["errors"]))]]
-            skipped += suite.skipped
-            resumes = list(suite.resume.values())
+                        _write_partial(result_of(suite, stores, partial=True), args.out)
+            result = result_of(suite, stores, partial=False)
+        finally:
+            stores.close()
     finally:
         pool.close()
-    result: dict[str, Any] = {
-        "harness_version": 1,
-        "suite": "stall",
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "duration_s": time.time() - started,
-        "command": "python -m benchmarks.stall " + " ".join(shlex.quote(a) for a in (
-            sys.argv[1:] if argv is None else argv)),
-        "machine": machine_info(),
-        "quiet": quiet,
-        "versions": versions(),
-        "config": {"mode": args.mode, "world_size": args.world_size, "saves": args.saves,
-                   "runs": args.runs, "sizes": args.size_bytes, "stores": args.stores,
-                   "tensors": args.tensors, "seed": args.seed,
-                   "matmuls_per_s": rate, "resume": resume, "compute": args.compute,
-                   "compute_s": {f"{format_bytes(k[0])} {k[1]}": v
-                                 for k, v in compute.items()},
-                   "request_settings": stall_systems.REQUEST_SETTINGS},
-        "stores": stores_info,
-        "skipped": skipped,
-        "cases": cases,
-        "resume": resumes,
-    }
     return _finish(result, args.out)
 
 
@@ -549,6 +692,19 @@ def _med(s: dict[str, Any] | None) -> float | None:
     return None if not s else s["median"]
 
 
+def copy_limit(result: dict[str, Any], size: int, store: str) -> float | None:
+    """Steady blocked seconds of ``copy-limit`` at ``size``: this store's run, else any
+    store's (the copy into preallocated memory does not touch the store)."""
+    found = None
+    for c in result["cases"]:
+        if c["size"] == size and c["system"] == "copy-limit":
+            value = _med(c["summary"].get("steady_blocked_s"))
+            if c["store"] == store and value is not None:
+                return value
+            found = value if found is None else found
+    return found
+
+
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 14's targets per store and size: PASS / FAIL / SKIP with the figures."""
     targets: list[dict[str, Any]] = []
@@ -561,7 +717,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         groups.setdefault((c["size"], c["store"]), {})[c["system"]] = c["summary"]
     for (size, store), by in groups.items():
         where = f"{store} {format_bytes(size)}"
-        copy = _med((by.get("copy-limit") or {}).get("steady_blocked_s"))
+        copy = copy_limit(result, size, store)
         torch_best = None
         for label, s in by.items():
             b = _med(s.get("steady_blocked_s"))
@@ -646,6 +802,9 @@ def render_markdown(result: dict[str, Any]) -> str:
     """The Markdown report (``result`` as in ``results.json``)."""
     cfg, m = result["config"], result["machine"]
     lines = [f"# dcpstore stall suite ({cfg['mode']} mode, {result['started']})", ""]
+    if result.get("partial"):
+        lines += ["**Partial: the run was stopped or is still going; these are the cases "
+                  "that finished.**", ""]
     lines.append(f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), "
                  f"{format_bytes(m['memory_bytes'])} RAM, Linux {m['kernel']}, Python "
                  f"{m['python']}, commit {m.get('git_commit')}. Versions: "
@@ -653,7 +812,11 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines.append("")
     q = result.get("quiet", {})
     if q.get("warning"):
-        lines += [f"**Warning: {q['warning']}.**", ""]
+        lines += [f"**Warning (at the start): {q['warning']}.**", ""]
+    note = load_note(result)
+    if note:
+        lines += [f"**Warning: {note}.**" if note.startswith("machine not quiet")
+                  else f"Load: {note}.", ""]
     lines.append(
         f"{cfg['world_size']} ranks (gloo, CPU); {cfg['saves']} saves per run with a compute "
         f"step of fixed work between ({cfg.get('compute', 'matmul')}); {cfg['runs']} run(s) "
@@ -672,8 +835,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         order = {label: i for i, label in enumerate(
             SYSTEMS[STORE_KINDS.get(store, "local")])}
         cases.sort(key=lambda c: order.get(c["system"], 99))
-        copy = next((_med(c["summary"].get("steady_blocked_s")) for c in cases
-                     if c["system"] == "copy-limit"), None)
+        copy = copy_limit(result, size, store)
         blocking = next((_med(c["summary"].get("steady_durable_s")) for c in cases
                          if c["system"] == "dcpstore[blocking]"), None)
         compute = cfg.get("compute_s", {}).get(f"{format_bytes(size)} {store}")
@@ -767,6 +929,22 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _write_partial(result: dict[str, Any], out: Path) -> None:
+    """results.json and results.md of the cases finished so far (``"partial": true``)."""
+    for c in result["cases"]:
+        c["summary"] = summarize(c)
+    for e in result.get("resume", []):
+        e["summary"] = _summarize_resume(e)
+    result["targets"] = evaluate_targets(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / "results.md").write_text(render_markdown(result))
 
 
 def _finish(result: dict[str, Any], out: Path) -> int:

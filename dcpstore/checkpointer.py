@@ -258,6 +258,13 @@ class Checkpointer:
         if async_mode == "process":
             self._worker = BackgroundWriter()  # starts importing torch while training runs
         self._runner = _SerialRunner("dcpstore-ckpt")
+        # drains run on their own thread (and gloo group): the write of step N+1 to the
+        # local tier does not queue behind the drain of step N
+        self._drainer = _SerialRunner("dcpstore-drain")
+        self._drain_group: Any = None
+        #: steps committed locally whose drain has not finished (local retention spares
+        #: them; read on the coordinator)
+        self._undrained: set[int] = set()
         self._jobs: list[_Job] = []
         self._lock = threading.Lock()
         #: Timings of the last save: ``blocked_s`` (in ``save``), ``durable_s`` (until
@@ -421,6 +428,8 @@ class Checkpointer:
             self.last_timings = {"step": step, "blocked_s": blocked, "where": where,
                                  "durable_s": blocked if where == "remote" else None}
             if where == "local":
+                self._group_for_drain()
+                self._undrained.add(step)
                 self._submit("drain", step, started, self._drain, step)
             return
         assert self.stager is not None
@@ -429,6 +438,9 @@ class Checkpointer:
         self.last_timings = {"step": step, "blocked_s": blocked, "where": target.where,
                              "durable_s": None}
         group = self._group_for_async()
+        if target.where == "local":
+            self._group_for_drain()
+            self._undrained.add(step)
         write = self._submit("write", step, started, self._write, step, staged, target, group)
         if target.where == "local":
             self._submit("drain", step, started, self._drain_after, write, step)
@@ -624,6 +636,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._runner.join()
+            self._drainer.join()
             if self._worker is not None:
                 self._worker.stop()
             if self.stager is not None:
@@ -641,7 +654,8 @@ class Checkpointer:
 
     def _submit(self, kind: Literal["write", "drain"], step: int, started: float,
                 fn: Any, *args: Any) -> Future[Any]:
-        future = self._runner.submit(self._timed, kind, step, started, fn, *args)
+        runner = self._drainer if kind == "drain" else self._runner
+        future = runner.submit(self._timed, kind, step, started, fn, *args)
         self._jobs.append(_Job(kind, step, future, started))
         return future
 
@@ -674,6 +688,7 @@ class Checkpointer:
         self._jobs = [j for j in self._jobs if not j.future.done()]
         if not self._jobs:
             self._runner.join()  # no thread outlives the work it did
+            self._drainer.join()
         if not errors:
             return
         for extra in errors[1:]:
@@ -687,9 +702,12 @@ class Checkpointer:
         try:
             where = write.result()
         except BaseException:
+            self._undrained.discard(step)
             return  # the write failed: reported by its own job
         if where == "local":
             self._drain(step)
+        else:
+            self._undrained.discard(step)
 
     # -- choosing where a save goes ----------------------------------------------------
 
@@ -840,7 +858,13 @@ class Checkpointer:
 
     def _drain(self, step: int) -> None:
         """Copy a locally committed step to the root; commit it there last (every rank)."""
-        group = self._group_for_async()
+        try:
+            self._drain_step(step)
+        finally:
+            self._undrained.discard(step)
+
+    def _drain_step(self, step: int) -> None:
+        group = self._group_for_drain()
         local = self.local_step_path(step)
         assert local is not None
         rank = self._rank(group)
@@ -870,6 +894,7 @@ class Checkpointer:
                     outcome = self._broadcast(outcome, group)
                     if outcome is None:
                         logger.info("step %d drained to %s", step, self.step_uri(step))
+                        self._undrained.discard(step)
                         self._retain(group)
                         self._retain_local(group)
                         return
@@ -931,7 +956,8 @@ class Checkpointer:
             remote = set(self._remote_steps())
             newest_remote = max(remote, default=-1)
             keep = set(local[-self.keep_last_local:])
-            doomed = [s for s in local if s not in keep
+            undrained = set(self._undrained)
+            doomed = [s for s in local if s not in keep and s not in undrained
                       and (s in remote or s < newest_remote)]
         doomed = self._broadcast(doomed, group)
         if doomed:
@@ -970,6 +996,15 @@ class Checkpointer:
             if self._async_group is None:
                 self._async_group = dist.new_group(backend="gloo")
         return self._async_group
+
+    def _group_for_drain(self) -> Any:
+        # created from save() (every rank, in the same order), used by the drain thread
+        if not is_distributed():
+            return None
+        with self._lock:
+            if self._drain_group is None:
+                self._drain_group = dist.new_group(backend="gloo")
+        return self._drain_group
 
     def _rank(self, group: Any = None) -> int:
         if not is_distributed():

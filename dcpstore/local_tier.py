@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import layout
@@ -172,34 +173,55 @@ def _mine(name: str, rank: int, coordinator: bool) -> bool:
     return int(m.group(1)) == rank
 
 
-def copy_rank_files(local_step: str, remote: Backend, rank: int, coordinator: bool) -> _Copied:
+def copy_rank_files(local_step: str, remote: Backend, rank: int, coordinator: bool,
+                    *, concurrency: int = 4) -> _Copied:
     """Copy this rank's data files of the step at ``local_step`` to ``remote`` (the step's
-    remote location), checked against the manifest when this rank can read it."""
+    remote location), checked against the manifest when this rank can read it.
+
+    Up to ``concurrency`` files are copied at once (each upload is itself concurrent
+    where the backend's is, e.g. S3 multipart parts)."""
     manifest = _local_manifest(local_step)
+    names = [n for n in sorted(os.listdir(local_step)) if _mine(n, rank, coordinator)]
     done = _Copied()
-    for name in sorted(os.listdir(local_step)):
-        if not _mine(name, rank, coordinator):
-            continue
-        rec = manifest.files.get(name) if manifest else None
-        crc = 0
-        size = 0
-        with open(os.path.join(local_step, name), "rb") as src, remote.open_upload(name) as up:
-            while True:
-                chunk = src.read(_CHUNK)
-                if not chunk:
-                    break
-                up.write(chunk)
-                crc = crc32c(chunk, crc)
-                size += len(chunk)
-            if rec is not None and (rec.size != size or rec.crc32c != crc):
-                raise DrainError(f"{local_step}/{name}: size/CRC32C differ from the manifest; "
-                                 "the local copy is damaged, the remote is left as it was")
-            info = up.commit()
-        if info.size != size:
-            raise DrainError(f"{remote.uri}/{name}: stored {info.size} bytes of {size}")
-        done.files += 1
-        done.bytes += size
+    if len(names) <= 1 or concurrency <= 1:
+        sizes = [_copy_file(local_step, name, remote, manifest) for name in names]
+    else:
+        with ThreadPoolExecutor(min(concurrency, len(names)),
+                                thread_name_prefix="dcpstore-drain") as pool:
+            futures = [pool.submit(_copy_file, local_step, n, remote, manifest) for n in names]
+            errors: list[BaseException] = []
+            sizes = []
+            for future in futures:
+                try:
+                    sizes.append(future.result())
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+    done.files = len(sizes)
+    done.bytes = sum(sizes)
     return done
+
+
+def _copy_file(local_step: str, name: str, remote: Backend, manifest: Manifest | None) -> int:
+    rec = manifest.files.get(name) if manifest else None
+    crc = 0
+    size = 0
+    with open(os.path.join(local_step, name), "rb") as src, remote.open_upload(name) as up:
+        while True:
+            chunk = src.read(_CHUNK)
+            if not chunk:
+                break
+            up.write(chunk)
+            crc = crc32c(chunk, crc)
+            size += len(chunk)
+        if rec is not None and (rec.size != size or rec.crc32c != crc):
+            raise DrainError(f"{local_step}/{name}: size/CRC32C differ from the manifest; "
+                             "the local copy is damaged, the remote is left as it was")
+        info = up.commit()
+    if info.size != size:
+        raise DrainError(f"{remote.uri}/{name}: stored {info.size} bytes of {size}")
+    return size
 
 
 def _local_manifest(local_step: str) -> Manifest | None:

@@ -134,6 +134,57 @@ def test_targets() -> None:
     assert "## Resume after a restart" in md
 
 
+def test_copy_limit_of_another_store_and_load_note() -> None:
+    def flat(blocked: float) -> list[list[dict[str, Any]]]:
+        return [[_rank([blocked] * 3, [blocked] * 3, [0, 0, 0])]]
+
+    cases = [_case("copy-limit", flat(0.10), loads=False),
+             _case("dcpstore[thread]", flat(0.12), store="seaweedfs"),
+             _case("torch-async[thread]", flat(0.30), store="seaweedfs")]
+    for c in cases:
+        c["summary"] = stall.summarize(c)
+    result: dict[str, Any] = {"cases": cases, "machine": {"cpus": 2}}
+    # the copy limit does not touch the store: SeaweedFS cases use the local one's
+    assert stall.copy_limit(result, 64 * MiB, "seaweedfs") == pytest.approx(0.10)
+    targets = {t["id"]: t for t in stall.evaluate_targets(result)}
+    assert targets[f"blocked-seaweedfs-{64 * MiB}-dcpstore[thread]"]["status"] == "PASS"
+    # so the copy limit runs once per size, on the first store
+    args = stall.parse_args(["--sizes", "1MiB", "2MiB", "--stores", "local", "seaweedfs",
+                             "--systems", "copy-limit", "dcpstore[[]thread]"])
+    plan, skipped = stall.build_plan(args)
+    assert [(st, labels) for _, st, labels in plan] == [
+        ("local", ["copy-limit", "dcpstore[thread]"]), ("seaweedfs", ["dcpstore[thread]"]),
+        ("local", ["copy-limit", "dcpstore[thread]"]), ("seaweedfs", ["dcpstore[thread]"])]
+    assert [(sk["store"], sk["system"]) for sk in skipped] == [("seaweedfs", "copy-limit")] * 2
+    assert stall.load_note(result) is None  # nothing sampled
+    cases[1]["load"] = [{"load_start": 1.0, "load_end": 2.0, "others_cores": 0.1}]
+    note = stall.load_note(result)
+    assert note is not None and not note.startswith("machine not quiet")
+    cases[2]["load"] = [{"load_start": 3.0, "load_end": 4.0, "others_cores": 1.5}]
+    note = stall.load_note(result)
+    assert note is not None and note.startswith("machine not quiet") and "1.50" in note
+
+
+def test_seaweedfs_is_replaced_before_it_fills(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stall, "SEAWEEDFS_BUDGET", 10 * MiB)
+    stores = stall._StoreSet(["seaweedfs"], tmp_path, None)
+    try:
+        first = stores.info["seaweedfs"]
+        stores.reserve("seaweedfs", 8 * MiB)  # within the budget: same server
+        assert stores.info["seaweedfs"] is first
+        stores.reserve("seaweedfs", 8 * MiB)  # 16 MiB > 10 MiB: a fresh, empty one
+        second = stores.info["seaweedfs"]
+        assert second.endpoint_url != first.endpoint_url
+        assert stores.written["seaweedfs"] == 8 * MiB
+        assert stores.describe()["seaweedfs"]["fresh_restarts"] == 1
+        stores.reserve("seaweedfs", 64 * MiB)  # one case larger than the budget still runs
+        assert stores.info["seaweedfs"].endpoint_url != second.endpoint_url
+        assert stores.written["seaweedfs"] == 64 * MiB
+    finally:
+        stores.close()
+
+
 def test_memory_guard_skips_what_would_not_fit() -> None:
     suite = object.__new__(stall._Suite)
     suite.memory_ratio = {"torch-async[process]": 1000.0, "dcpstore[thread]": 1.0}
@@ -162,6 +213,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads((out / "results.json").read_text())
     assert result["config"]["saves"] == 2 and result["config"]["stores"] == ["local"]
+    assert result["partial"] is False
     cases = {c["system"]: c for c in result["cases"]}
     assert sorted(cases) == sorted(QUICK_SYSTEMS)
     for name, c in cases.items():
@@ -187,6 +239,10 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     assert {t["status"] for t in result["targets"]} <= {"PASS", "FAIL", "SKIP"}
     md = (out / "results.md").read_text()
     assert "| dcpstore[process] |" in md and "## Targets" in md
+    for c in cases.values():  # the load while each case ran is recorded and reported
+        (load,) = c["load"]
+        assert load["others_cores"] >= 0 and load["load_end"] >= 0
+    assert "Load: other processes" in md or "machine not quiet: other processes" in md
     # the local store holds nothing after the run
     leftovers = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
     assert not leftovers, leftovers[:5]

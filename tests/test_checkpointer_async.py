@@ -277,6 +277,32 @@ def test_two_ranks_killed_writer_is_reported_on_every_rank(tmp_path: Path) -> No
 
 # -- CUDA: device-to-host into pinned memory on a side stream ------------------------------
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_staging_options_on_cpu_tensors(mode: str, tmp_path: Path) -> None:
+    """The CUDA options with a CPU state: pinning only where CUDA is, no side stream for
+    host tensors, nothing left in flight, and the snapshot as of save()."""
+    opts = StagingOptions(use_pinned_memory=True, use_async_staging=True,
+                          use_non_blocking_copy=True)
+    stager = Stager(opts)
+    state = _state()
+    staged = stager.stage(state)
+    assert stager.arena is not None and stager.arena.pinned == torch.cuda.is_available()
+    assert stager._stream is None and stager._event is None  # host tensors: plain copies
+    stager.synchronize()
+    _assert_same(staged, _state())
+    stager.close()
+    ckpt = dcpstore.Checkpointer(str(tmp_path), async_mode=mode,  # type: ignore[arg-type]
+                                 staging=opts)
+    ckpt.save(1, state)
+    _mutate(state)
+    ckpt.wait()
+    out = _zeros_like(state)
+    assert ckpt.load(out) == 1
+    _assert_same(out, _state())
+    ckpt.close()
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: the pinned-memory D2H path needs a GPU")
 

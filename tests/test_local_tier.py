@@ -153,9 +153,17 @@ def test_remote_shows_a_step_only_when_drained(mode: str | None, tmp_path: Path,
         time.sleep(0.05)
     assert [s.where for s in ckpt.steps()] == ["local"]
     assert not (remote / "step-000000001" / ".metadata").exists()
+    # the next save commits locally while the drain of step 1 still waits: the write of
+    # step 2 does not queue behind that drain, and local retention (keep_last_local=1)
+    # spares step 1 until it is drained
+    ckpt.save(2, _state(2))
+    while not (tmp_path / "local" / "step-000000002" / ".metadata").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [(int(s), s.where) for s in ckpt.steps()] == [(1, "local"), (2, "local")]
     GatedBackend.gate.set()
     ckpt.wait()
-    assert [s.where for s in ckpt.steps()] == ["both"]
+    assert [(int(s), s.where) for s in ckpt.steps()] == [(1, "remote"), (2, "both")]
     assert ckpt.last_timings["durable_s"] is not None
     ckpt.close()
 
