@@ -53,8 +53,11 @@ from .metadata_io import load_metadata, read_manifest
 from .options import WriterOptions
 from .read_plan import chunk_index
 from .references import (
+    INCREMENTAL_DIR,
     mark_incremental,
+    read_pins,
     reference_path,
+    referenced_keys,
     remove_pin,
     root_key,
     run_root,
@@ -748,10 +751,44 @@ class Writer(StorageWriter):
         old_save = getattr(previous.storage_meta, "save_id", None)
         if isinstance(old_save, str) and old_save.startswith("dcpstore-"):
             stale.add(layout.manifest_key(old_save))
-        doomed = sorted(k for k in stale if isinstance(k, str) and k not in keep)
+        doomed = self._unreferenced(
+            sorted(k for k in stale if isinstance(k, str) and k not in keep))
         if doomed:
             logger.info("deleting %d files of the overwritten checkpoint", len(doomed))
             self._delete_quietly(doomed)
+
+    def _unreferenced(self, keys: list[str]) -> list[str]:
+        """The files of an overwritten save that no other step needs: under a run root
+        that held incremental saves, files a committed sibling references, or that a
+        save in progress pinned, stay (``dcpstore gc`` follows the same references)."""
+        try:
+            root, name = run_root(self.backend)
+        except DcpstoreError:
+            return keys  # at the top of its store: no siblings
+        try:
+            dirs = root.list_dirs()
+            if INCREMENTAL_DIR not in dirs:
+                return keys  # no step here references another
+            if any(name in pin.steps for pin in read_pins(root)):
+                needed = None
+            else:
+                siblings = [d for d in dirs if d != name and not d.startswith(".")
+                            and root.exists(f"{d}/{layout.METADATA_KEY}")]
+                needed = referenced_keys(root, siblings)
+        except Exception as exc:
+            logger.warning("cannot tell which files of the overwritten %s other steps "
+                           "reference (%s); keeping its data files for `dcpstore gc`",
+                           self.backend.uri, exc)
+            needed = None
+        finally:
+            root.close()
+        if needed is None:
+            return [k for k in keys if not k.endswith(layout.DATA_SUFFIX)]
+        kept = [k for k in keys if f"{name}/{k}" in needed]
+        if kept:
+            logger.info("keeping %d files of the overwritten %s that other steps reference",
+                        len(kept), self.backend.uri)
+        return [k for k in keys if f"{name}/{k}" not in needed]
 
     def _delete_quietly(self, keys: Sequence[str]) -> None:
         try:

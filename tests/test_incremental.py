@@ -216,6 +216,29 @@ def test_plain_checkpointer_on_an_incremental_root_keeps_referenced_files(
     assert layout.METADATA_KEY not in kept and references.RETIRED_KEY in kept
 
 
+def test_overwriting_a_referenced_step_keeps_what_later_steps_reference(
+        tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    state = lora_state()
+    save(state, f"{root}/step-1")
+    advance(state)
+    inc = save(state, f"{root}/step-2", base=f"{root}/step-1")
+    assert inc.bytes_referenced > 0
+    # step 1 saved again, whole and different: step 2's references into the old save stay
+    other = lora_state(seed=1)
+    save(other, f"{root}/step-1", overwrite=True)
+    assert_state_equal(load_back(f"{root}/step-2", state), state)
+    assert ops.verify_checkpoint(f"{root}/step-2").ok
+    assert_state_equal(load_back(f"{root}/step-1", other), other)
+    # a plain run root (no incremental save ever) still deletes the overwritten files
+    plain = tmp_path / "plain"
+    save(state, f"{plain}/step-1")
+    before = {p.name for p in (plain / "step-1").iterdir()}
+    save(other, f"{plain}/step-1", overwrite=True)
+    assert not before & {p.name for p in (plain / "step-1").iterdir()
+                         if p.name.endswith(".distcp")}
+
+
 def test_ops_follow_references(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "run"
     state = lora_state()
