@@ -469,14 +469,19 @@ def run_world(mix: Mix, world: int, *, retained: int = RETAINED) -> dict[str, An
         save.update({"PUT": 1})  # the latest pointer
     row["save_requests"] = {v: save[v] for v in VERBS}
 
-    # -- a load's shared objects: .metadata and manifest, read by each rank
+    # -- a load's shared objects: .metadata and manifest. With read sharing (the default
+    # on object stores) the coordinator alone GETs them and sends the bytes to the other
+    # ranks (dcpstore.read_share); without it, every rank GETs them.
     reader = Reader(MemoryBackend(f"{BUCKET}/w{world}/{step_dir(retained)}"))
     before = _requests()
     _, row["read_metadata_s"] = _timed(reader.read_metadata)
     one = _delta(before)
+    shared_mb = row["metadata_mb"] + row["manifest_mb"]
+    readers = 1 if reader.options.broadcast_reads is not False else world
     row["load_shared_requests_per_rank"] = one
-    row["load_shared_requests"] = {v: n * world for v, n in one.items()}
-    row["load_shared_mb"] = world * (row["metadata_mb"] + row["manifest_mb"])
+    row["load_shared_requests"] = {v: n * readers for v, n in one.items()}
+    row["load_shared_mb"] = readers * shared_mb
+    row["load_shared_sent_mb"] = (world - readers) * shared_mb  # over the process group
 
     prefix = f"w{world}/"
     for key in [k for k in store.objects if k.startswith(prefix)]:
@@ -553,6 +558,9 @@ def to_markdown(doc: dict[str, Any]) -> str:
     line("shared-object requests per load (all ranks)",
          lambda r: _fmt_requests(r["load_shared_requests"]))
     line(".metadata + manifest bytes read per load (MB)", lambda r: f"{_load_mb(r):,.0f}")
+    line(".metadata + manifest sent to other ranks (MB)",
+         lambda r: "n/a" if "load_shared_sent_mb" not in r
+         else f"{r['load_shared_sent_mb']:,.0f}")
     line(f"latest() requests ({doc['retained']} steps)",
          lambda r: _fmt_requests(r["latest_requests"]))
     line("latest(): keys listed", lambda r: f"{r['listed_keys_per_latest']:,}")
