@@ -807,9 +807,19 @@ class Checkpointer:
         options: dict[str, Any] = {"frozen": self._frozen.get(step, ()),
                                    "base_required": False}
         if self._is_coordinator():
-            steps = [s for s in committed_steps(self._root) if s != step]
-            if steps:
-                options["base"] = self.step_uri(steps[-1])
+            # every rank is about to enter dcp.save: a failure here must not leave the
+            # others waiting, and a save without a base is always valid (a full one)
+            try:
+                newest = self._remote_latest()
+                if newest == step:  # saving a step again: its base is the one before it
+                    older = [s for s in self._remote_steps() if s < step]
+                    newest = older[-1] if older else None
+            except Exception as exc:
+                logger.warning("cannot find the base of incremental step %d under %s (%s); "
+                               "saving it in full", step, self.root_uri, exc)
+                newest = None
+            if newest is not None:
+                options["base"] = self.step_uri(newest)
         return options
 
     def _make_writer(self, uri: str, backend: str | None, kwargs: dict[str, Any]) -> Writer:

@@ -538,6 +538,8 @@ def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
                if o.key.rpartition("/")[2] == RETIRED_KEY}
     keep: dict[str, set[str]] = {}
     needed: set[str] = set()  # keys under root that committed steps reference
+    # run roots holding a step whose references cannot be read: keep their data files
+    unknown: set[str] = set()
     for head, objs in sorted(groups.items()):
         if layout.METADATA_KEY not in {o.key.rpartition("/")[2] for o in objs}:
             continue
@@ -545,8 +547,10 @@ def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
         try:
             md = load_metadata(ckpt)[0]
         except Exception as exc:
-            logger.warning("gc: skipping %s: %s", ckpt.uri, exc)
+            logger.warning("gc: skipping %s, and keeping the data files beside it that it "
+                           "may reference: %s", ckpt.uri, exc)
             keep[head] = {o.key.rpartition("/")[2] for o in objs}
+            unknown.add(head.rpartition("/")[0])
             continue
         mine = {i.relative_path for i in (md.storage_data or {}).values()}
         mine.add(layout.METADATA_KEY)
@@ -561,6 +565,8 @@ def gc(root_uri: str, *, dry_run: bool = False, min_age: float = 3600.0,
         for obj in objs:
             name = obj.key.rpartition("/")[2]
             if name in keep.get(head, ()) or obj.key in needed:
+                continue
+            if name.endswith(layout.DATA_SUFFIX) and head.rpartition("/")[0] in unknown:
                 continue
             if head in pinned:  # a save in progress reads or references it
                 continue

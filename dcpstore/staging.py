@@ -555,11 +555,11 @@ class ProxyWriter(Writer):
         self._worker_kwargs = worker_kwargs
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        assignment = plan.storage_data
-        save_id = getattr(assignment, "save_id", None)
-        if save_id is None:
-            return super().write_data(plan, planner)  # raises the usual error
-        self.save_id = save_id
+        # the plan's assignment, with this save's id where torch took the plan from its
+        # cache (the worker writes exactly what this plan says)
+        assignment = self._assignment(plan)
+        plan = dataclasses.replace(plan, storage_data=assignment)
+        self.save_id = assignment.save_id
         arena = self.stager.arena
         table: dict[MetadataIndex, Any] = {}
         for item in plan.items:

@@ -766,10 +766,12 @@ class Writer(StorageWriter):
         except DcpstoreError:
             return keys  # at the top of its store: no siblings
         try:
+            # pins first, then committed steps (see dcpstore.references)
+            pins = read_pins(root)
             dirs = root.list_dirs()
             if INCREMENTAL_DIR not in dirs:
                 return keys  # no step here references another
-            if any(name in pin.steps for pin in read_pins(root)):
+            if any(name in pin.steps for pin in pins):
                 needed = None
             else:
                 siblings = [d for d in dirs if d != name and not d.startswith(".")

@@ -239,6 +239,22 @@ def test_overwriting_a_referenced_step_keeps_what_later_steps_reference(
                          if p.name.endswith(".distcp")}
 
 
+def test_gc_keeps_what_an_unreadable_step_may_reference(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    state = lora_state()
+    with dcpstore.Checkpointer(str(root), incremental=True, keep_last=1) as ckpt:
+        ckpt.save(1, state)
+        advance(state)
+        ckpt.save(2, state)  # references step 1, which retention retires
+    retired = root / "step-000000001"
+    held = sorted(p.name for p in retired.iterdir() if p.name.endswith(".distcp"))
+    assert held and not (retired / layout.METADATA_KEY).exists()
+    # step 2's .metadata cannot be read now: gc cannot tell what it references
+    (root / "step-000000002" / layout.METADATA_KEY).write_bytes(b"not a pickle")
+    ops.gc(str(root), min_age=0)
+    assert sorted(p.name for p in retired.iterdir() if p.name.endswith(".distcp")) == held
+
+
 def test_ops_follow_references(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "run"
     state = lora_state()
