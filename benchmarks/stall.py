@@ -613,11 +613,11 @@ def main(argv: list[str] | None = None) -> int:
                 for rep, order in enumerate(balanced_orders(labels, args.runs, args.seed)):
                     for label in order:
                         suite.run_case(size, store, label, rep, cs)
-                        _write_partial(result_of(suite, stores, partial=True), args.out)
+                        _write_results(result_of(suite, stores, partial=True), args.out)
                 if resume and store == "seaweedfs":
                     for rep in range(args.runs):
                         suite.run_resume(size, rep)
-                        _write_partial(result_of(suite, stores, partial=True), args.out)
+                        _write_results(result_of(suite, stores, partial=True), args.out)
             result = result_of(suite, stores, partial=False)
         finally:
             stores.close()
@@ -935,19 +935,9 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _write_partial(result: dict[str, Any], out: Path) -> None:
-    """results.json and results.md of the cases finished so far (``"partial": true``)."""
-    for c in result["cases"]:
-        c["summary"] = summarize(c)
-    for e in result.get("resume", []):
-        e["summary"] = _summarize_resume(e)
-    result["targets"] = evaluate_targets(result)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (out / "results.md").write_text(render_markdown(result))
-
-
-def _finish(result: dict[str, Any], out: Path) -> int:
+def _write_results(result: dict[str, Any], out: Path) -> str:
+    """results.json and results.md of the cases finished so far (``"partial": true``
+    until the end); returns the Markdown."""
     for c in result["cases"]:
         c["summary"] = summarize(c)
     for e in result.get("resume", []):
@@ -957,6 +947,11 @@ def _finish(result: dict[str, Any], out: Path) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     md = render_markdown(result)
     (out / "results.md").write_text(md)
+    return md
+
+
+def _finish(result: dict[str, Any], out: Path) -> int:
+    md = _write_results(result, out)
     try:
         write_chart(result, out / "chart.png")
     except ImportError as exc:

@@ -264,7 +264,12 @@ class Backend(abc.ABC):
 
     def child(self, key: str) -> Backend:
         """A backend of the same kind and options rooted at ``key`` under this root."""
-        return type(self)(self.location.rstrip("/") + "/" + validate_key(key), self.options)
+        return self.at(self.location.rstrip("/") + "/" + validate_key(key))
+
+    def at(self, location: str) -> Backend:
+        """A backend of the same kind and options rooted at ``location`` (a wrapper
+        backend overrides this to wrap the new one too)."""
+        return type(self)(location, self.options)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

@@ -93,7 +93,7 @@ def run_root(ckpt: Backend) -> tuple[Backend, str]:
             f"{ckpt.uri} has no parent directory to share with other steps; incremental "
             "checkpoints live in sub-directories of a run root (e.g. run/step-000000100)"
         )
-    return type(ckpt)(parent, ckpt.options), validate_key(name)
+    return ckpt.at(parent), validate_key(name)
 
 
 def root_key(step: str, path: str) -> str:

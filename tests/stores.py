@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 import dcpstore
 from dcpstore.backend import Backend
 from dcpstore.local import LocalBackend
+from dcpstore.testing import MemoryBackend
 from dcpstore.testing.servers import gcs_object_names, isolate_env, msc_s3_profile
 
 __all__ = ["BUCKET", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files"]
@@ -36,6 +38,15 @@ MSC_PROFILE = "dcpstore-test"
 STORE_NAMES = ("local", "moto", "seaweedfs", "gcs", "msc")
 #: Kind of client each store is reached through.
 KINDS = {"local": "local", "moto": "s3", "seaweedfs": "s3", "gcs": "gcs", "msc": "msc"}
+
+
+def memory_scheme(bucket: str) -> Iterator[None]:
+    """``memory://`` URIs served by :class:`MemoryBackend`, with ``bucket`` created (for a
+    module-scoped fixture: ``yield from memory_scheme(BUCKET)``)."""
+    dcpstore.register_backend("memory", MemoryBackend, clobber=True)
+    MemoryBackend.create_bucket(bucket)
+    yield
+    MemoryBackend.delete_bucket(bucket)
 
 
 def tree_files(root: str | Path) -> list[str]:

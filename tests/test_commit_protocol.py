@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from stores import memory_scheme
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
@@ -30,10 +31,7 @@ FAST: dict[str, Any] = {"retry_backoff": 0.001, "retry_backoff_max": 0.002}
 
 @pytest.fixture(scope="module", autouse=True)
 def _memory_scheme() -> Iterator[None]:
-    dcpstore.register_backend("memory", MemoryBackend, clobber=True)
-    MemoryBackend.create_bucket(BUCKET)
-    yield
-    MemoryBackend.delete_bucket(BUCKET)
+    yield from memory_scheme(BUCKET)
 
 
 @pytest.fixture

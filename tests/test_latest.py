@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stores import memory_scheme
 
 import dcpstore
 from dcpstore import layout
@@ -32,10 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module", autouse=True)
 def _memory_scheme() -> Iterator[None]:
-    dcpstore.register_backend("memory", MemoryBackend, clobber=True)
-    MemoryBackend.create_bucket(BUCKET)
-    yield
-    MemoryBackend.delete_bucket(BUCKET)
+    yield from memory_scheme(BUCKET)
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:

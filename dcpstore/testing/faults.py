@@ -206,6 +206,9 @@ class FaultBackend(Backend):
     def child(self, key: str) -> Backend:
         return FaultBackend(self.inner.child(key), _state=self._state)
 
+    def at(self, location: str) -> Backend:
+        return FaultBackend(self.inner.at(location), _state=self._state)
+
     def close(self) -> None:
         super().close()
         self.inner.close()
