@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -277,6 +278,7 @@ class Checkpointer:
         # steps this process saw committed at the root (no HEAD needed to list them)
         self._known: set[int] = set()
         self._pointer_step = -1  # the step of the last latest pointer written here
+        self._pointer_lock = threading.Lock()  # a drain and a save may both publish
 
     def _resolve_root(self) -> tuple[Resolved, Backend]:
         with self._resolve_lock:
@@ -324,14 +326,12 @@ class Checkpointer:
         and one HEAD per directory it has not seen committed); the answer is shared
         with every rank.
         """
-        remote: list[int] | None = self._remote_steps() if self._is_coordinator() else None
+        remote: list[int] = self._shared(self._remote_steps)
         if self.local_tier is None:
-            found = self._broadcast(remote)
-            return [Step(s, local=False, remote=True) for s in found]
+            return [Step(s, local=False, remote=True) for s in remote]
         mine = set(local_committed_steps(self.local_tier))
-        gathered = self._all_gather((mine, remote))
-        local = set.intersection(*(g[0] for g in gathered))
-        remote_set = set(gathered[0][1] or ())
+        local = set.intersection(*self._all_gather(mine))
+        remote_set = set(remote)
         return [Step(s, local=s in local, remote=s in remote_set)
                 for s in sorted(local | remote_set)]
 
@@ -343,14 +343,12 @@ class Checkpointer:
         listing (a pointer update lost in a crash is noticed); without a usable pointer
         it falls back to the listing. Never an uncommitted step.
         """
-        remote = self._remote_latest() if self._is_coordinator() else None
+        newest_remote: int | None = self._shared(self._remote_latest)
         if self.local_tier is None:
-            found = self._broadcast(remote)
-            return None if found is None else Step(found, local=False, remote=True)
+            return None if newest_remote is None else Step(newest_remote, local=False,
+                                                           remote=True)
         mine = set(local_committed_steps(self.local_tier))
-        gathered = self._all_gather((mine, remote))
-        local = set.intersection(*(g[0] for g in gathered))
-        newest_remote = gathered[0][1]
+        local = set.intersection(*self._all_gather(mine))
         candidates = local | ({newest_remote} if newest_remote is not None else set())
         if not candidates:
             return None
@@ -378,15 +376,17 @@ class Checkpointer:
         it by listing when the pointer lags.
         """
         self._known.add(step)
-        if step < self._pointer_step:
-            return  # an older step committed late (a drain): the pointer stays newer
         try:
-            if metadata_size is None:
-                metadata_size = self._root.stat(f"{step_dir(step)}/{layout.METADATA_KEY}").size
-            if not save_id:
-                raise DcpstoreError(f"step {step} has no dcpstore save id")
-            write_pointer(self._root, Pointer(step, save_id, metadata_size))
-            self._pointer_step = step
+            with self._pointer_lock:
+                if step < self._pointer_step:
+                    return  # an older step committed late (a drain): the pointer stays newer
+                if metadata_size is None:
+                    metadata_size = self._root.stat(
+                        f"{step_dir(step)}/{layout.METADATA_KEY}").size
+                if not save_id:
+                    raise DcpstoreError(f"step {step} has no dcpstore save id")
+                write_pointer(self._root, Pointer(step, save_id, metadata_size))
+                self._pointer_step = step
         except Exception as exc:
             logger.warning("could not update the latest pointer of %s to step %d (%s); "
                            "latest() finds it by listing", self.root_uri, step, exc)
@@ -594,6 +594,26 @@ class Checkpointer:
                 ckpt.close()
         return bool(self._broadcast(has))
 
+    def _shared(self, fn: Callable[[], Any], group: Any = None) -> Any:
+        """``fn()`` run on the coordinator alone; its result on every rank, or its
+        failure raised on every rank (no rank is left waiting in a collective)."""
+        answer: tuple[str, Any] | None = None
+        error: Exception | None = None
+        if self._rank(self.process_group if group is None else group) == 0:
+            try:
+                answer = ("ok", fn())
+            except Exception as exc:
+                error = exc
+                answer = ("err", f"{type(exc).__name__}: {exc}")
+        answer = self._broadcast(answer, group)
+        assert answer is not None
+        if answer[0] == "ok":
+            return answer[1]
+        if error is not None:
+            raise error
+        raise DcpstoreError(f"{self.root_uri}: the coordinator's request to the store failed "
+                            f"({answer[1]}); see the coordinator's log")
+
     def _broadcast_result(self, listing: Future[list[int]] | None) -> list[int]:
         """The coordinator's listing of the root, shared with every rank; its failure is
         raised on every rank."""
@@ -620,9 +640,7 @@ class Checkpointer:
         files that other steps reference stay until no retained step needs them.
         """
         self._known.discard(step)
-        if self._is_coordinator():
-            delete_steps(self._root, [step_dir(step)])
-        self._barrier()
+        self._shared(lambda: delete_steps(self._root, [step_dir(step)]))
         if self.local_tier is not None:
             self._delete_local([step], self.process_group)
 
@@ -942,20 +960,29 @@ class Checkpointer:
         if self.keep_last is None:
             return
         if self._rank(group) == 0:
-            dirs = self._root.list_dirs()
-            steps = _committed_steps(self._root, self._known, dirs)
-            self._known = set(steps)
-            doomed = steps[: max(0, len(steps) - self.keep_last)]
-            if doomed:
-                logger.info("retention: deleting steps %s under %s", doomed, self.root_uri)
-                self._known.difference_update(doomed)
-                if self.incremental or INCREMENTAL_DIR in dirs:
-                    # files a kept step references stay (dcpstore.references)
-                    delete_steps(self._root, [step_dir(s) for s in doomed])
-                else:  # no step here references another: nothing to read first
-                    for old in doomed:
-                        _delete_closing(self._root.child(step_dir(old)))
+            try:
+                self._delete_old_steps(self.keep_last)
+            except Exception as exc:  # the new step is committed: retention can wait
+                logger.warning("retention under %s failed (%s); older steps stay until the "
+                               "next save's retention", self.root_uri, exc)
         self._barrier(group)
+
+    def _delete_old_steps(self, keep_last: int) -> None:
+        """Coordinator: delete all but the ``keep_last`` newest committed steps."""
+        dirs = self._root.list_dirs()
+        steps = _committed_steps(self._root, self._known, dirs)
+        self._known = set(steps)
+        doomed = steps[: max(0, len(steps) - keep_last)]
+        if not doomed:
+            return
+        logger.info("retention: deleting steps %s under %s", doomed, self.root_uri)
+        self._known.difference_update(doomed)
+        if self.incremental or INCREMENTAL_DIR in dirs:
+            # files a kept step references stay (dcpstore.references)
+            delete_steps(self._root, [step_dir(s) for s in doomed])
+        else:  # no step here references another: nothing to read first
+            for old in doomed:
+                _delete_closing(self._root.child(step_dir(old)))
 
     def _retain_local(self, group: Any) -> None:
         if self.local_tier is None or self.keep_last_local is None:

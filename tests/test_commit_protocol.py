@@ -249,3 +249,24 @@ def test_requests_per_save_and_load(uri: str, files_per_rank: int) -> None:
     assert loaded["put"] == loaded["create_upload"] == loaded["delete"] == 0
     assert loaded["get"] == 2  # .metadata and the manifest
     assert 1 <= loaded["range_get"] <= 2 * files_per_rank
+
+
+def test_retention_that_fails_leaves_the_save_committed(
+        uri: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention runs after the commit: a store refusing its deletes is a warning, the new
+    step stands, and the next save's retention catches up."""
+    root, cls = faulty(uri.removesuffix("/step-1"), [])
+    ckpt = dcpstore.Checkpointer(root, keep_last=1)
+    ckpt.save(1, state(1))
+    cls.shared.faults.append(Fault("delete", times=0, error=PermissionError("denied")))
+    with caplog.at_level("WARNING", logger="dcpstore.checkpointer"):
+        ckpt.save(2, state(2))
+    assert "retention under" in caplog.text and "denied" in caplog.text
+    assert [int(s) for s in ckpt.steps()] == [1, 2]
+    cls.shared.faults.clear()
+    ckpt.save(3, state(3))
+    assert [int(s) for s in ckpt.steps()] == [3]
+    out = blank()
+    ckpt.load(out)
+    assert out["o"]["step"] == 3
+    ckpt.close()
