@@ -1027,21 +1027,21 @@ class Checkpointer:
 
     def _group_for_async(self) -> Any:
         # a dedicated gloo group keeps background collectives off the training group
-        if not is_distributed():
-            return None
-        with self._lock:
-            if self._async_group is None:
-                self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
+        return self._side_group("_async_group")
 
     def _group_for_drain(self) -> Any:
         # created from save() (every rank, in the same order), used by the drain thread
+        return self._side_group("_drain_group")
+
+    def _side_group(self, attr: str) -> Any:
+        """The gloo group kept in ``attr``, made on first use (``None`` without
+        ``torch.distributed``)."""
         if not is_distributed():
             return None
         with self._lock:
-            if self._drain_group is None:
-                self._drain_group = dist.new_group(backend="gloo")
-        return self._drain_group
+            if getattr(self, attr) is None:
+                setattr(self, attr, dist.new_group(backend="gloo"))
+        return getattr(self, attr)
 
     def _rank(self, group: Any = None) -> int:
         if not is_distributed():
