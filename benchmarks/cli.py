@@ -12,11 +12,19 @@ Examples::
     python -m benchmarks --out benchmarks/results/latest --publish
     python -m benchmarks --stores seaweedfs --systems 'dcpstore-*' 'limit-*' --runs 5
     python -m benchmarks --opt s3.part_size=64MiB --opt s3.max_concurrency=8
+    python -m benchmarks --stores seaweedfs --systems msc --grid thread_count=1,8
+    python -m benchmarks --opt s3torchconnector.part_size=32MiB --no-tune
+
+Each peer runs at its defaults and, after a short tuning phase over a small grid
+(:mod:`benchmarks.tuning`), at its best setting as ``<peer>[best]``; the runs of a
+store go in a seeded, balanced random order (:func:`benchmarks.runner.balanced_order`);
+the machine is checked for other load first (:func:`quiet_check`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import importlib.metadata
 import json
@@ -31,13 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import report, systems
+from . import report, systems, tuning
 from .ranks import RankPool
 from .runner import Runner, StorePlan
 from .servers import STORE_KINDS, Stores
 from .workload import MIXES, WorkloadSpec, parse_size
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "options_for", "parse_args", "quiet_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +58,32 @@ _DEFAULTS = {
     "size": ("1GiB", "64MiB"),
     "moto_size": ("128MiB", "32MiB"),
     "gcs_size": ("256MiB", "32MiB"),
-    "runs": (3, 1),
+    # even: every ordered pair of systems is balanced (see runner.balanced_order)
+    "runs": (6, 2),
     "tensors": (32, 16),
-    # 1: one rank reads every file; 3: every rank reads parts of the saved items (where
-    # reading more than needed shows). About 1.5 and 2 min of a full run.
-    "reshard": ([1, 3], [1]),
+    # 3: every rank reads parts of the saved items (where reading more than needed
+    # shows), about 2.5 min of a full run; 1 (one rank reads every file) is left to
+    # --reshard 1 3, to keep the full run under 20 min
+    "reshard": ([3], [1]),
     # 64 MiB x 8: the baseline's configuration; 32 MiB x 8: the S3 backend's defaults;
     # 16 MiB x 16: more in flight
     "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16"], ["64MiBx8"]),
     "limit_gcs": (["32MiBx8", "16MiBx16"], ["32MiBx8"]),
+    # the tuning phase: runs per grid point, the state size (at most the store's), and
+    # the grid's values where they differ from the systems' (threads 1/4/8, parts 8/32 MiB)
+    "tune_runs": (2, 1),
+    "tune_size": ("256MiB", "16MiB"),
+    # quick: one point per peer, enough to run the tuning and [best] paths end to end
+    "grid": ([], ["thread_count=4", "part_size=32MiB"]),
 }
 #: Stores the reshard loads run on by default.
 _RESHARD_STORES = ["local", "seaweedfs"]
-#: Assumed MB/s (save, load) per store for the time estimate on a 2-core machine.
-_ASSUMED_MBPS = {"local": (900, 2000), "seaweedfs": (130, 350), "moto": (70, 150),
-                 "gcs": (100, 300)}
-_JOB_OVERHEAD_S = 0.4
+#: MB/s (save, load) per store for the time estimate on a 2-core machine: the mean time
+#: over the systems of the full run at commit 609060b (reshard loads: half the load's).
+_ASSUMED_MBPS = {"local": (2300, 5600), "seaweedfs": (180, 600), "moto": (160, 300),
+                 "gcs": (170, 900)}
+#: Seconds per job beyond its timed part (that run: 0.17)
+_JOB_OVERHEAD_S = 0.2
 _BACKEND_SCOPES = {"file": "dcpstore-local", "local": "dcpstore-local", "s3": "dcpstore-s3",
                    "gs": "dcpstore-gcs", "gcs": "dcpstore-gcs", "msc": "dcpstore-msc"}
 
@@ -78,15 +96,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "the raw limit, against local stores on 127.0.0.1.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Full-mode defaults: --size 1GiB --moto-size 128MiB --gcs-size 256MiB "
-               "--runs 3 --tensors 32 --reshard 1 3.\nQuick-mode defaults: --size 64MiB "
-               "--moto-size 32MiB --gcs-size 32MiB --runs 1 --tensors 16 --reshard 1.")
+               "--runs 6 --tensors 32 --reshard 3 --tune-runs 2 --tune-size 256MiB.\n"
+               "Quick-mode defaults: --size 64MiB --moto-size 32MiB --gcs-size 32MiB "
+               "--runs 2 --tensors 16 --reshard 1 --tune-runs 1 --tune-size 16MiB "
+               "--grid thread_count=4 part_size=32MiB.")
     p.add_argument("--quick", action="store_true",
-                   help="small state, one run, one variant per limit (< 2 min; CI smoke)")
+                   help="small state, two runs, a small grid, one variant per limit "
+                        "(< 2 min; CI smoke)")
     p.add_argument("--size", help="state size on local and seaweedfs (e.g. 1GiB)")
     p.add_argument("--moto-size", help="state size on moto (in-memory, slow)")
     p.add_argument("--gcs-size", help="state size on fake-gcs-server (in-memory)")
     p.add_argument("--world-size", type=int, default=2, help="ranks that save (default 2)")
-    p.add_argument("--runs", type=int, help="timed runs per case (median reported)")
+    p.add_argument("--runs", type=int, help="timed runs per case (median and min-max "
+                   "reported; even, so the order is balanced)")
+    p.add_argument("--order-seed", type=int, help="seed of the run order (default: "
+                   "random; recorded in the results)")
+    p.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
+                   help="tune each peer over its grid first and also run it at its best "
+                        "(default: on)")
+    p.add_argument("--tune-runs", type=int, help="runs per grid point in the tuning phase")
+    p.add_argument("--tune-size", help="state size of the tuning phase (at most each "
+                   "store's)")
+    p.add_argument("--grid", nargs="+", metavar="KEY=V1,V2",
+                   help="grid values replacing the peers' own (thread_count=1,4,8 "
+                        "part_size=8MiB,32MiB)")
     p.add_argument("--tensors", type=int, help="tensors in the state dict")
     p.add_argument("--mix", choices=MIXES, default="mixed", help="tensor size mix")
     p.add_argument("--seed", type=int, default=0, help="changes every value")
@@ -134,8 +167,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, pair[q])
     args.mode = "quick" if args.quick else "full"
-    if args.world_size < 1 or args.runs < 1:
-        p.error("--world-size and --runs must be >= 1")
+    if args.world_size < 1 or args.runs < 1 or args.tune_runs < 1:
+        p.error("--world-size, --runs and --tune-runs must be >= 1")
+    if args.order_seed is None:
+        args.order_seed = int.from_bytes(os.urandom(4), "little")
     args.reshard = sorted({m for m in args.reshard if m != args.world_size})
     if any(m < 1 for m in args.reshard):
         p.error("--reshard world sizes must be >= 1")
@@ -143,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = {"local": parse_size(args.size), "seaweedfs": parse_size(args.size),
                       "moto": parse_size(args.moto_size), "gcs": parse_size(args.gcs_size)}
         args.options = _parse_opts(args.opt)
+        args.tune_bytes = parse_size(args.tune_size)
+        args.grid_values = tuning.parse_grid(args.grid)
         for v in args.limit_s3 + args.limit_gcs:
             systems.get(f"limit-s3[{v}]")
     except (ValueError, KeyError) as exc:
@@ -154,25 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _parse_value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return parse_size(text)
-    except ValueError:
-        return text
+    return systems.parse_option_value(text)
 
 
 def _parse_opts(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -193,14 +212,21 @@ def _parse_opts(items: list[str]) -> dict[str, dict[str, Any]]:
     return scoped
 
 
-def options_for(scoped: dict[str, dict[str, Any]], label: str) -> dict[str, Any]:
-    """Options for a system: the ``dcpstore`` scope (dcpstore systems), then its own."""
-    name, _ = systems.split_variant(label)
+def options_for(scoped: dict[str, dict[str, Any]], label: str, op: str = "save",
+                tuned: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Options for a system's ``op``: the ``dcpstore`` scope (dcpstore systems), then its
+    own scope, then its bracket (``[thread_count=4]``, or for ``[best]`` the options the
+    tuning picked for ``op``: ``tuned[name][op]["options"]``)."""
+    name, variant = systems.split_variant(label)
     system = systems.get(label)
     opts: dict[str, Any] = {}
     if system.is_dcpstore:
         opts.update(scoped.get("dcpstore", {}))
     opts.update(scoped.get(name, {}))
+    if variant == "best":
+        opts.update(((tuned or {}).get(name, {}).get(op) or {}).get("options") or {})
+    elif not system.is_limit:
+        opts.update(system.variant_options())
     return opts
 
 
@@ -237,24 +263,112 @@ def build_plans(args: argparse.Namespace) -> list[StorePlan]:
     return plans
 
 
+def tune_plans(plans: list[StorePlan], args: argparse.Namespace) -> list[StorePlan]:
+    """The tuning phase's plans: per store, every grid point of every peer that runs
+    there, on a quarter of the store's state (at most ``--tune-size``), no reshard
+    loads, no counting."""
+    out = []
+    for plan in plans:
+        labels = []
+        for label in plan.systems:
+            system = systems.get(label)
+            if system.grid and not system.variant:
+                labels += [tuning.point_label(label, p)
+                           for p in tuning.grid_points(system.grid, args.grid_values)]
+        if labels:
+            w = plan.workload
+            size = min(args.tune_bytes, max(w.total_bytes // 4, w.tensors * (64 << 10)))
+            spec = WorkloadSpec(size, tensors=w.tensors, mix=w.mix, seed=w.seed)
+            out.append(StorePlan(plan.name, spec, labels))
+    return out
+
+
+def apply_tuning(plans: list[StorePlan], tuned: dict[str, dict[str, Any]]) -> None:
+    """Add ``<peer>[best]`` after each tuned peer whose best is not its defaults; the
+    peer's defaults then run without reshard loads and counting run (the peer is judged
+    at its best)."""
+    for plan in plans:
+        for name, best in tuned.get(plan.name, {}).items():
+            if name not in plan.systems or tuning.is_default(name, best):
+                continue
+            plan.systems.insert(plan.systems.index(name) + 1, f"{name}[best]")
+            plan.secondary.append(name)
+
+
+def _grid_size(label: str, args: argparse.Namespace) -> int:
+    system = systems.get(label)
+    return len(tuning.grid_points(system.grid, args.grid_values)) if system.grid else 0
+
+
 def estimate_seconds(plans: list[StorePlan], args: argparse.Namespace) -> float:
-    """A rough duration of the run on a 2-core machine (printed before it starts)."""
+    """A rough duration of the run on a 2-core machine (printed before it starts),
+    assuming every tuned peer also runs as ``<peer>[best]``."""
     total = 30.0  # servers and ranks starting
     for plan in plans:
         save_mbps, load_mbps = _ASSUMED_MBPS[plan.name]
         mb = plan.workload.state_bytes / 1e6
+        tune_mb = min(args.tune_bytes, plan.workload.state_bytes // 4) / 1e6
         for label in plan.systems:
             system = systems.get(label)
+            points = _grid_size(label, args) if args.tune else 0
+            copies = 2 if points else 1  # defaults and [best]
             reshard = 0 if system.is_limit else len(plan.reshard)
-            one = (mb / save_mbps + (1 + reshard) * mb / load_mbps
-                   + (2 + reshard) * _JOB_OVERHEAD_S)
-            total += args.runs * one
+            one = (mb / save_mbps + mb / load_mbps + 2 * _JOB_OVERHEAD_S)
+            re = reshard * (2 * mb / load_mbps + _JOB_OVERHEAD_S)  # at [best] only
+            total += args.runs * (copies * one + re)
+            total += args.tune_runs * points * (tune_mb / save_mbps + tune_mb / load_mbps
+                                                + 2 * _JOB_OVERHEAD_S)
             if args.count_requests and plan.kind != "local":
-                counted = reshard if not system.is_dcpstore else 0
-                # through the proxy: about 1.5x slower
-                total += 1.5 * (mb / save_mbps + (1 + counted) * mb / load_mbps
-                                + (2 + counted) * _JOB_OVERHEAD_S)
+                # through the proxy (about as fast as a timed run there); a peer's
+                # defaults are not counted when its [best] runs
+                total += one + re
     return total
+
+
+def quiet_check(seconds: float = 2.0) -> dict[str, Any]:
+    """Is the machine quiet? The load averages and the CPU use of every other process
+    over ``seconds`` (psutil; without it, the load averages only).
+
+    Returns:
+        ``{"quiet", "load_avg", "cpus", "busy", "warning"}``; ``busy`` lists the other
+        processes using more than 5% of a core.
+    """
+    cpus = os.cpu_count() or 1
+    load = list(os.getloadavg())
+    busy: list[dict[str, Any]] = []
+    others_cpu = None
+    try:
+        import psutil
+
+        me = psutil.Process()
+        mine = {me.pid, *(c.pid for c in me.children(recursive=True))}
+        procs = [p for p in psutil.process_iter(["pid", "name"]) if p.pid not in mine]
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.cpu_percent(None)
+        time.sleep(seconds)
+        others_cpu = 0.0
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                pct = proc.cpu_percent(None)
+                others_cpu += pct
+                if pct > 5.0:
+                    busy.append({"pid": proc.pid, "name": proc.info["name"],
+                                 "cpu_percent": round(pct, 1)})
+    except ImportError:
+        pass
+    busy.sort(key=lambda b: -b["cpu_percent"])
+    reasons = []
+    if others_cpu is not None and others_cpu > 25.0:
+        reasons.append(f"other processes use {others_cpu:.0f}% of a core ("
+                       + ", ".join(f"{b['name']} {b['cpu_percent']:.0f}%" for b in busy[:5])
+                       + ")")
+    if load[0] > 0.5 * cpus:
+        reasons.append(f"load average {load[0]:.2f} on {cpus} CPUs")
+    warning = ("the machine is not quiet: " + "; ".join(reasons)
+               + ". The figures are noisier than on a quiet machine.") if reasons else None
+    return {"quiet": not reasons, "load_avg": load, "cpus": cpus,
+            "others_cpu_percent": others_cpu, "busy": busy[:10], "warning": warning}
 
 
 def machine_info() -> dict[str, Any]:
@@ -325,31 +439,71 @@ def main(argv: list[str] | None = None) -> int:
         return render(args.render)
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     plans = build_plans(args)
+    quiet = quiet_check()
     started = time.time()
     print(f"dcpstore benchmark, {args.mode} mode: {args.world_size} ranks, {args.runs} run(s) "
-          f"per case, results in {args.out}")
+          f"per case (order seed {args.order_seed}), results in {args.out}")
+    if quiet["warning"]:
+        print(f"  WARNING: {quiet['warning']}")
+    if args.runs % 2:
+        print("  note: an odd --runs leaves one run order unpaired (not balanced)")
+    tplans = tune_plans(plans, args) if args.tune else []
     for plan in plans:
         extra = f", reshard loads at {plan.reshard}" if plan.reshard else ""
         print(f"  {plan.name:<9} {plan.workload.describe()}: {', '.join(plan.systems)}{extra}")
         for label, reason in plan.skipped.items():
             print(f"  {plan.name:<9} SKIP {label}: {reason}")
+    for plan in tplans:
+        print(f"  {plan.name:<9} tuning, {plan.workload.describe()}, {args.tune_runs} run(s): "
+              f"{len(plan.systems)} grid points")
     print(f"  estimated duration: ~{estimate_seconds(plans, args) / 60:.1f} min "
           "(2-core machine; rough)")
     sys.stdout.flush()
     args.out.mkdir(parents=True, exist_ok=True)
 
+    tuned: dict[str, dict[str, Any]] = {}
+    grid_values = args.grid_values
+    msc_parts = sorted({int(v) for k, vals in
+                        [*systems.get("msc").grid.items(), *grid_values.items()]
+                        if k == "part_size" for v in vals}
+                       | {int(v) for k, v in args.options.get("msc", {}).items()
+                          if k == "part_size"})
     pools: dict[int, RankPool] = {}
     try:
         # start the ranks (they import torch meanwhile) before the servers
         for size in sorted({args.world_size, *(m for p in plans for m in p.reshard)}):
             pools[size] = RankPool(size)
         with Stores([p.name for p in plans], args.out, local_dir=args.local_dir,
-                    count_requests=args.count_requests) as stores:
+                    count_requests=args.count_requests,
+                    msc_part_sizes=tuple(msc_parts)) as stores:
+            def progress(line: str) -> None:
+                print(line, flush=True)
+
+            if tplans:
+                tuner = Runner(
+                    stores, pools, RankPool, world_size=args.world_size,
+                    runs=args.tune_runs, count_requests=False, evict_cache=args.evict_cache,
+                    options=lambda store, label, op: options_for(args.options, label, op),
+                    job_timeout=_job_timeout, progress=progress, seed=args.order_seed + 1000,
+                    label="tune ")
+                tune_cases = [c.to_dict() for c in tuner.run(tplans)]
+                for tp in tplans:
+                    mine = [c for c in tune_cases if c["store"] == tp.name]
+                    names = dict.fromkeys(systems.split_variant(x)[0] for x in tp.systems)
+                    tuned[tp.name] = {n: tuning.pick_best(n, mine, tp.workload.state_bytes)
+                                      for n in names}
+                    for n, best in tuned[tp.name].items():
+                        best["state_bytes"] = tp.workload.state_bytes
+                        best["orders"] = tuner.orders.get(tp.name)
+                        print(f"  {tp.name:<9} best {n}: save {best['save']['options']}, "
+                              f"load {best['load']['options']}", flush=True)
+                apply_tuning(plans, tuned)
             runner = Runner(
                 stores, pools, RankPool, world_size=args.world_size, runs=args.runs,
                 count_requests=args.count_requests, evict_cache=args.evict_cache,
-                options=lambda label: options_for(args.options, label),
-                job_timeout=_job_timeout, progress=lambda line: print(line, flush=True))
+                options=lambda store, label, op: options_for(args.options, label, op,
+                                                             tuned.get(store)),
+                job_timeout=_job_timeout, progress=progress, seed=args.order_seed)
             cases = runner.run(plans)
             stores_info = stores.describe()
     finally:
@@ -363,30 +517,46 @@ def main(argv: list[str] | None = None) -> int:
             kinds[label] = (s.is_limit, s.is_dcpstore)
     built = report.build([c.to_dict() for c in cases], kinds)
     for plan in plans:
-        stores_info[plan.name].update(state_bytes=plan.workload.state_bytes,
-                                      workload=plan.workload.describe(), note=plan.note,
-                                      systems=plan.systems, reshard=plan.reshard)
+        stores_info[plan.name].update(
+            state_bytes=plan.workload.state_bytes, workload=plan.workload.describe(),
+            note=plan.note, systems=plan.systems, reshard=plan.reshard,
+            secondary=plan.secondary, order=runner.orders.get(plan.name),
+            settings={label: system_settings(args, plan.name, label, tuned)
+                      for label in plan.systems})
     result: dict[str, Any] = {
-        "harness_version": 1,
+        "harness_version": 2,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "duration_s": time.time() - started,
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (
             sys.argv[1:] if argv is None else argv)),
         "machine": machine_info(),
+        "quiet": quiet,
         "versions": versions(),
         "config": {"mode": args.mode, "world_size": args.world_size, "runs": args.runs,
-                   "tensors": args.tensors, "mix": args.mix, "seed": args.seed,
-                   "sizes": args.sizes, "reshard": args.reshard,
+                   "order_seed": args.order_seed, "tensors": args.tensors, "mix": args.mix,
+                   "seed": args.seed, "sizes": args.sizes, "reshard": args.reshard,
                    "reshard_stores": args.reshard_stores, "limit_s3": args.limit_s3,
                    "limit_gcs": args.limit_gcs, "options": args.options,
+                   "tune": args.tune, "tune_runs": args.tune_runs,
+                   "tune_size": args.tune_bytes, "grid": grid_values,
                    "count_requests": args.count_requests, "evict_cache": args.evict_cache},
         "stores": stores_info,
+        "tuning": tuned,
         "skipped": [{"store": p.name, "system": k, "reason": v}
                     for p in plans for k, v in p.skipped.items()],
         "cases": built,
     }
     result["targets"] = report.evaluate_targets(built, args.world_size)
     return _finish(result, args.out, publish=args.publish)
+
+
+def system_settings(args: argparse.Namespace, store: str, label: str,
+                    tuned: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a system ran with on ``store``: request settings and save / load options."""
+    system = systems.get(label)
+    return {**system.settings(),
+            "save options": options_for(args.options, label, "save", tuned.get(store)),
+            "load options": options_for(args.options, label, "load", tuned.get(store))}
 
 
 def _finish(result: dict[str, Any], out: Path, *, publish: bool) -> int:

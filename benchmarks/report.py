@@ -5,7 +5,8 @@ How the figures are computed (also in ``docs/performance.md``):
 
 - a run's time is the slowest rank's (each rank times itself from a common barrier);
   a case's time is the **median** over its runs; MB/s = state bytes / median time
-  (MB = 10^6 bytes);
+  (MB = 10^6 bytes); the **spread** is the MB/s of the slowest and the fastest run
+  (min-max), in the tables and as error bars in the chart;
 - ratios are taken between medians of cases of the same store, operation and world
   size, pairwise between every two systems; "the limit" of a store and operation is
   the fastest of its limit variants;
@@ -14,9 +15,11 @@ How the figures are computed (also in ``docs/performance.md``):
 - peak extra RSS per rank = the largest over runs of each rank's peak resident memory
   above its resident memory just before the operation;
 - requests and bytes on the wire come from the untimed counting run through the
-  proxy; "bytes read" of a load is dcpstore's own count (``Reader.bytes_read``) where
-  the system is dcpstore, else the proxy's response bytes (servers) or the ranks'
-  ``rchar`` (local disk).
+  proxy; "bytes read" of a load is the proxy's response bytes on the servers, for every
+  system alike (dcpstore's own ``Reader.bytes_read`` is kept beside it), and the ranks'
+  ``rchar`` on the local disk;
+- targets against a peer are judged against the peer's best: the faster of its
+  defaults and its tuned ``<peer>[best]``.
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ def summarize(case: dict[str, Any], *, is_limit: bool, is_dcpstore: bool) -> dic
                 for i in range(ranks)]
         out.update(
             seconds=med, seconds_all=seconds,
+            seconds_min=min(seconds), seconds_max=max(seconds),
             mbps=state / med / 1e6 if med > 0 else None,
+            mbps_min=state / max(seconds) / 1e6 if max(seconds) > 0 else None,
+            mbps_max=state / min(seconds) / 1e6 if min(seconds) > 0 else None,
             cpu_seconds=_median(cpu),
             cpu_s_per_gib=(_median(cpu) or 0.0) / (state / _GiB),
             peak_extra_rss=peak, peak_extra_rss_max=max(peak) if peak else 0,
@@ -91,13 +97,14 @@ def summarize(case: dict[str, Any], *, is_limit: bool, is_dcpstore: bool) -> dic
         if case["op"] == "load":
             out["counted_verified"] = counted.get("verified")
     if case["op"] == "load":
-        # what the load read, by the best measure available for the system
-        if "reader_bytes_read" in out:
-            out["bytes_read"] = out["reader_bytes_read"]
-            out["read_measure"] = "reader"
-        elif out.get("bytes_down") is not None:
+        # what the load read: the same measure for every system of a store (the proxy
+        # on servers); dcpstore's own count only where there is no proxy figure
+        if out.get("bytes_down") is not None:
             out["bytes_read"] = out["bytes_down"]
             out["read_measure"] = "proxy"
+        elif "reader_bytes_read" in out and case["store"] != "local":
+            out["bytes_read"] = out["reader_bytes_read"]
+            out["read_measure"] = "reader"
         elif out.get("rchar") is not None:
             out["bytes_read"] = int(out["rchar"])
             out["read_measure"] = "rchar"
@@ -166,8 +173,18 @@ def _find(cases: list[dict[str, Any]], store: str, system: str, op: str, world: 
     return None
 
 
+def _find_best(cases: list[dict[str, Any]], store: str, name: str, op: str, world: int
+               ) -> dict[str, Any] | None:
+    """The fastest case of system ``name`` in any variant (its defaults, ``[best]``)."""
+    found = [c for c in cases
+             if (c["store"], c["op"], c["world_size"]) == (store, op, world)
+             and c["system"].split("[", 1)[0] == name and c["summary"].get("mbps")]
+    return max(found, key=lambda c: c["summary"]["mbps"]) if found else None
+
+
 def evaluate_targets(cases: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
-    """The issue's targets, each ``PASS``, ``FAIL`` or ``SKIP`` (with why)."""
+    """The issue's targets, each ``PASS``, ``FAIL`` or ``SKIP`` (with why). A peer is
+    judged at its best (the faster of its defaults and ``<peer>[best]``)."""
     targets: list[dict[str, Any]] = []
     limits = _limits(cases)
 
@@ -181,7 +198,7 @@ def evaluate_targets(cases: list[dict[str, Any]], world_size: int) -> list[dict[
             lim = limits.get((store, op, world_size))
             b = lim
         else:
-            b = _find(cases, store, other, op, world_size)
+            b = _find_best(cases, store, other, op, world_size)
         if a is None or b is None:
             missing = system if a is None else other
             add(tid, text, "SKIP", f"no result for {missing} {op} on {store}")
@@ -217,14 +234,14 @@ def evaluate_targets(cases: list[dict[str, Any]], world_size: int) -> list[dict[
                  "load", "s3torchconnector", 1.3)
     for op in ("save", "load"):
         a = _find(cases, s3, "dcpstore-s3", op, world_size)
-        b = _find(cases, s3, "s3torchconnector", op, world_size)
-        text = f"S3 client CPU s/GiB on {op} <= s3torchconnector's"
+        b = _find_best(cases, s3, "s3torchconnector", op, world_size)
+        text = f"S3 client CPU s/GiB on {op} <= s3torchconnector's (at its best)"
         if a is None or b is None:
             add(f"s3-cpu-{op}", text, "SKIP", "no result for dcpstore-s3 or s3torchconnector")
         else:
             ca, cb = a["summary"]["cpu_s_per_gib"], b["summary"]["cpu_s_per_gib"]
             add(f"s3-cpu-{op}", text, "PASS" if ca <= cb else "FAIL",
-                f"dcpstore-s3 {ca:.2f} vs s3torchconnector {cb:.2f} CPU s/GiB")
+                f"dcpstore-s3 {ca:.2f} vs {b['system']} {cb:.2f} CPU s/GiB")
     ratio_target("local-save-torch", "local save >= 1.0x FileSystemWriter (both fsync)", local,
                  "dcpstore-local", "save", "torch-fs", 1.0)
     ratio_target("local-save-limit", "local save >= 85% of the dd limit", local,
@@ -299,11 +316,23 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Python {machine['python']}. Versions: "
         + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + ".")
     lines.append("")
+    quiet = result.get("quiet") or {}
+    if quiet.get("warning"):
+        lines += [f"> **Warning:** {quiet['warning']}", ""]
+    elif quiet:
+        lines += [f"Quiet machine: load average {quiet['load_avg'][0]:.2f}, other processes "
+                  f"{quiet.get('others_cpu_percent') or 0:.0f}% of a core at the start.", ""]
+    order = ("systems interleaved in a seeded random order balanced over pairs (seed "
+             f"{cfg['order_seed']}; every run's order is in results.json)"
+             if "order_seed" in cfg else "systems interleaved round-robin")
     lines.append(
-        f"{n} ranks (gloo, CPU, one process each); {cfg['runs']} run(s) per case, systems "
-        f"interleaved round-robin, **median** reported; MB = 10^6 bytes. "
-        f"Duration {result['duration_s'] / 60:.1f} min. Command: `{result['command']}`")
+        f"{n} ranks (gloo, CPU, one process each); {cfg['runs']} run(s) per case, {order}; "
+        "**median** MB/s reported with the min-max over runs in parentheses; "
+        f"MB = 10^6 bytes. Duration {result['duration_s'] / 60:.1f} min. "
+        f"Command: `{result['command']}`")
     lines.append("")
+    lines += _settings_section(result)
+    lines += _tuning_section(result)
     for store, info in result["stores"].items():
         lines += _store_section(store, info, cases, n)
     reshard = [c for c in cases if c["op"] == "load" and c["world_size"] != n]
@@ -337,17 +366,15 @@ def _store_section(store: str, info: dict[str, Any], cases: list[dict[str, Any]]
     mine = [c for c in cases if c["store"] == store and c["world_size"] == n]
     if not mine:
         return []
-    systems: list[str] = []
-    for c in mine:
-        if c["system"] not in systems:
-            systems.append(c["system"])
+    systems = _system_order(info, mine)
     by = {(c["system"], c["op"]): c for c in mine}
     title = f"## {store}: {format_bytes(info['state_bytes'])}, {n} ranks"
     lines = [title, ""]
     if info.get("note"):
         lines += [f"_{info['note']}_", ""]
     lines += [
-        "| system | save MB/s | save s | load MB/s | load s | save vs limit | load vs limit "
+        "| system | save MB/s (min-max) | save s | load MB/s (min-max) | load s | save vs limit "
+        "| load vs limit "
         "| CPU s/GiB save / load | peak extra RSS/rank save / load | requests save | "
         "requests load | load verified |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|:-:|",
@@ -365,8 +392,8 @@ def _store_section(store: str, info: dict[str, Any], cases: list[dict[str, Any]]
             verified = "yes" if lsum.get("verified") else "**NO**"
         lines.append("| " + " | ".join([
             name,
-            _fmt(s.get("mbps")), _fmt(s.get("seconds"), ".2f"),
-            _fmt(lsum.get("mbps")), _fmt(lsum.get("seconds"), ".2f"),
+            _spread(s), _fmt(s.get("seconds"), ".2f"),
+            _spread(lsum), _fmt(lsum.get("seconds"), ".2f"),
             _fmt((sv or {}).get("vs_limit", {}).get("ratio"), ".2f", "x"),
             _fmt((ld or {}).get("vs_limit", {}).get("ratio"), ".2f", "x"),
             f"{_fmt(s.get('cpu_s_per_gib'), '.2f')} / {_fmt(lsum.get('cpu_s_per_gib'), '.2f')}",
@@ -391,9 +418,16 @@ def _store_section(store: str, info: dict[str, Any], cases: list[dict[str, Any]]
     return lines
 
 
+def _system_order(info: dict[str, Any], cases: list[dict[str, Any]]) -> list[str]:
+    """The store's systems in plan order (not the first run's random one)."""
+    seen = [c["system"] for c in cases]
+    planned = [x for x in info.get("systems") or [] if x in seen]
+    return planned + [x for x in dict.fromkeys(seen) if x not in planned]
+
+
 def _reshard_section(cases: list[dict[str, Any]], n: int) -> list[str]:
     lines = [f"## Reshard loads (saved at {n} ranks)", "",
-             "| store | system | load at | MB/s | s | bytes read | bytes needed | "
+             "| store | system | load at | MB/s (min-max) | s | bytes read | bytes needed | "
              "read / needed | measured by | verified |",
              "|---|---|--:|--:|--:|--:|--:|--:|---|:-:|"]
     for c in sorted(cases, key=lambda c: (c["store"], c["world_size"], c["system"])):
@@ -401,18 +435,80 @@ def _reshard_section(cases: list[dict[str, Any]], n: int) -> list[str]:
         read, need = s.get("bytes_read"), s.get("bytes_needed")
         ratio = read / need if read is not None and need else None
         lines.append("| " + " | ".join([
-            c["store"], c["system"], str(c["world_size"]), _fmt(s.get("mbps")),
+            c["store"], c["system"], str(c["world_size"]), _spread(s),
             _fmt(s.get("seconds"), ".2f"),
             format_bytes(read) if read is not None else "—",
             format_bytes(need) if need is not None else "—",
             _fmt(ratio, ".3f"), s.get("read_measure", "—"),
             ("yes" if s.get("verified") else "**NO**") if s.get("ok") else "—",
         ]) + " |")
-    lines += ["", "_bytes needed: the tensor bytes of the state. Bytes read: dcpstore's "
-              "`Reader.bytes_read` (timed run; data ranges only), the proxy's response bytes "
-              "of the counting run (servers; with `.metadata`), or the ranks' `rchar` (local "
-              "disk; with `.metadata`); all include DCP's per-item serialization headers "
+    lines += ["", "_bytes needed: the tensor bytes of the state. Bytes read: the counting "
+              "proxy's response bytes of the counting run for every system on the servers "
+              "(dcpstore included; with `.metadata` and dcpstore's manifest), the ranks' "
+              "`rchar` on the local disk; all include DCP's per-item serialization headers "
               "(~1.5 KiB per tensor)._", ""]
+    return lines
+
+
+def _spread(summary: dict[str, Any]) -> str:
+    """``"213 (205-223)"``: median MB/s and the min-max over runs."""
+    if not summary.get("mbps"):
+        return "—"
+    lo, hi = summary.get("mbps_min"), summary.get("mbps_max")
+    if lo is None or hi is None or summary.get("runs_ok", 0) < 2:
+        return _fmt(summary["mbps"])
+    return f"{summary['mbps']:.0f} ({lo:.0f}-{hi:.0f})"
+
+
+def _options_text(opts: dict[str, Any] | None) -> str:
+    if not opts:
+        return "defaults"
+    return ", ".join(f"{k}={format_bytes(v).replace(' ', '') if k == 'part_size' else v}"
+                     for k, v in sorted(opts.items()))
+
+
+def _settings_section(result: dict[str, Any]) -> list[str]:
+    """Per store: each system's request settings and the options it ran with."""
+    rows = []
+    for store, info in result["stores"].items():
+        for label, st in (info.get("settings") or {}).items():
+            rows.append("| " + " | ".join([
+                store, label, st.get("payload", "—"), st.get("request checksums", "—"),
+                st.get("response checksums", "—"), _options_text(st.get("save options")),
+                _options_text(st.get("load options"))]) + " |")
+    if not rows:
+        return []
+    return ["## Settings per system", "",
+            "| store | system | payload | request checksums | response checksums | save "
+            "options | load options |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _tuning_section(result: dict[str, Any]) -> list[str]:
+    """The tuning phase: every grid point's MB/s and the best per operation."""
+    tuned = result.get("tuning") or {}
+    if not tuned:
+        return []
+    cfg = result["config"]
+    lines = ["## Tuning (each peer's best setting)", "",
+             f"Every grid point saved and loaded {cfg.get('tune_runs', 1)} time(s) on a "
+             "smaller state first (a quarter of the store's, at most "
+             f"{format_bytes(cfg.get('tune_size', 0))}); per operation the point with the "
+             "fastest run is the peer's best (for the load, among the options its reader "
+             "uses). The main runs run each peer at its defaults and as `<peer>[best]`; "
+             "targets are judged against the faster of the two.", "",
+             "| store | peer | tuning state | grid point: save / load MB/s (fastest run) "
+             "| best save | best load |", "|---|---|--:|---|---|---|"]
+    for store, peers in tuned.items():
+        for name, t in peers.items():
+            points = "; ".join(
+                f"{_options_text(p['options'])}: {_fmt(p.get('save_mbps'))} / "
+                f"{_fmt(p.get('load_mbps'))}" for p in t.get("points", []))
+            lines.append("| " + " | ".join([
+                store, name, format_bytes(t.get("state_bytes", 0)), points,
+                f"{_options_text(t['save']['options'])} ({_fmt(t['save']['mbps'])})",
+                f"{_options_text(t['load']['options'])} ({_fmt(t['load']['mbps'])})",
+            ]) + " |")
+    lines.append("")
     return lines
 
 
@@ -441,21 +537,24 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
     colors = {"dcpstore": "#2F6DB5", "peer": "#9A9A9A", "limit": "#E3A33B"}
     for row, store in enumerate(stores):
         mine = [c for c in result["cases"] if c["store"] == store and c["world_size"] == n]
-        systems: list[str] = []
-        for c in mine:
-            if c["system"] not in systems:
-                systems.append(c["system"])
-        by = {(c["system"], c["op"]): c["summary"] for c in mine}
         info = result["stores"][store]
+        systems = _system_order(info, mine)
+        by = {(c["system"], c["op"]): c["summary"] for c in mine}
         for col, op in enumerate(("save", "load")):
             ax = axes[row][col]
             vals = [(by.get((s, op)) or {}).get("mbps") or 0.0 for s in systems]
+            # error bars: the slowest and the fastest run (min-max)
+            err = [[max(0.0, v - ((by.get((s, op)) or {}).get("mbps_min") or v))
+                    for s, v in zip(systems, vals, strict=True)],
+                   [max(0.0, ((by.get((s, op)) or {}).get("mbps_max") or v) - v)
+                    for s, v in zip(systems, vals, strict=True)]]
             kinds = []
             for s in systems:
                 summ = by.get((s, op)) or by.get((s, "save")) or {}
                 kinds.append("limit" if summ.get("is_limit") else
                              "dcpstore" if summ.get("is_dcpstore") else "peer")
-            bars = ax.barh(range(len(systems)), vals, color=[colors[k] for k in kinds])
+            bars = ax.barh(range(len(systems)), vals, color=[colors[k] for k in kinds],
+                           xerr=err, error_kw={"elinewidth": 0.8, "capsize": 2})
             for bar, kind, v in zip(bars, kinds, vals, strict=True):
                 if kind == "limit":
                     bar.set_hatch("//")
@@ -466,13 +565,14 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
             ax.invert_yaxis()
             ax.set_xlabel("MB/s", fontsize=8)
             ax.tick_params(axis="x", labelsize=7)
-            ax.set_xlim(0, max([*vals, 1.0]) * 1.18)
+            ax.set_xlim(0, max([*(v + e for v, e in zip(vals, err[1], strict=True)), 1.0])
+                        * 1.18)
             ax.grid(axis="x", alpha=0.3)
             ax.set_title(f"{store} {op}: {format_bytes(info['state_bytes'])}, {n} ranks"
                          + (" (in-memory server)" if info.get("note") else ""), fontsize=9)
     m = result["machine"]
     fig.suptitle(f"dcpstore (blue) vs peers (grey) vs the raw limit (hatched): "
-                 f"{m['cpus']} CPUs, median of {result['config']['runs']} run(s), "
+                 f"{m['cpus']} CPUs, median and min-max of {result['config']['runs']} run(s), "
                  f"{result['config']['mode']} mode", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (2.9 * rows + 0.6)))
     fig.savefig(path, dpi=110)

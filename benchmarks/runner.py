@@ -1,16 +1,20 @@
 """Runs the plan: every system's save and load on every store, interleaved, then the
 untimed request-counting runs, and collects what the ranks measured.
 
-Order within a store (``--runs 3``, systems A B C)::
+Order within a store (``--runs 6``, systems A B C D; :func:`balanced_order`)::
 
-    run 1: A.save A.load [A.load@M ...]  B.save B.load ...  C.save C.load ...
-    run 2: B ... C ... A ...
-    run 3: C ... A ... B ...
+    run 1: C.save C.load [C.load@M ...]  A ...  D ...  B ...     (a random permutation)
+    run 2: B ...  D ...  A ...  C ...                            (its reverse)
+    run 3: A ...  D ...  B ...  C ...                            (another permutation)
+    run 4: C ...  B ...  D ...  A ...                            (its reverse)
+    ...
     counting (one run, through the proxy): A.save A.load [A.load@M]  B ...  C ...
 
-Interleaving spreads slow drifts of the machine over every system; rotating the order
-keeps any system from always going first (say, onto a store whose disk has just been
-flushed) or always following the same neighbour.
+Interleaving spreads slow drifts of the machine over every system. Pairing each seeded
+random permutation with its reverse balances the order: for every two systems A and B,
+A runs before B in exactly half the runs (with an even ``--runs``), so neither always
+goes first (say, onto a store whose disk has just been flushed), and the neighbours
+change from pair to pair. The seed and every run's order are recorded in the results.
 
 Every save goes to a fresh prefix, the loads (at the save's world size, then at each
 reshard world size) read that checkpoint, and the prefix is deleted before the next
@@ -20,6 +24,7 @@ system runs, so no system reads what another wrote and the stores do not fill up
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -31,7 +36,7 @@ from .servers import STORE_KINDS, StoreInfo, Stores
 from .systems import get as get_system
 from .workload import WorkloadSpec, format_bytes
 
-__all__ = ["Case", "Runner", "StorePlan", "rotated"]
+__all__ = ["Case", "Runner", "StorePlan", "balanced_order", "precedence_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ class StorePlan:
         reshard: World sizes the DCP systems' checkpoints are also loaded at.
         note: Caveat printed with the store (e.g. "in-memory server, smaller state").
         skipped: ``system -> reason`` for systems that cannot run here.
+        secondary: Systems with no reshard loads and no counting run: a peer's
+            defaults, when its ``[best]`` runs too (those are judged at the best).
     """
 
     name: str
@@ -55,6 +62,13 @@ class StorePlan:
     reshard: list[int] = field(default_factory=list)
     note: str = ""
     skipped: dict[str, str] = field(default_factory=dict)
+    secondary: list[str] = field(default_factory=list)
+
+    def reshard_for(self, system: str) -> list[int]:
+        """The reshard world sizes ``system`` is loaded at (none for the limits)."""
+        if get_system(system).is_limit or system in self.secondary:
+            return []
+        return list(self.reshard)
 
     @property
     def kind(self) -> str:
@@ -114,7 +128,8 @@ class Runner:
         runs: Timed repetitions.
         count_requests: Do the untimed counting runs.
         evict_cache: Drop the page cache of local checkpoints before loading them.
-        options: ``system label -> options`` (``--opt``).
+        options: ``(store, system label, op) -> options`` (``--opt``, a variant's own,
+            the tuned best).
         job_timeout: Seconds a job may take, as a function of the state size.
         progress: Called with one line per finished job.
     """
@@ -122,9 +137,10 @@ class Runner:
     def __init__(self, stores: Stores, pools: dict[int, RankPool],
                  pool_factory: Callable[[int], RankPool], *, world_size: int, runs: int,
                  count_requests: bool, evict_cache: bool,
-                 options: Callable[[str], dict[str, Any]],
+                 options: Callable[[str, str, str], dict[str, Any]],
                  job_timeout: Callable[[int], float],
-                 progress: Callable[[str], None] = print) -> None:
+                 progress: Callable[[str], None] = print, seed: int = 0,
+                 label: str = "") -> None:
         self.stores = stores
         self.pools = pools
         self.pool_factory = pool_factory
@@ -135,6 +151,10 @@ class Runner:
         self.options = options
         self.job_timeout = job_timeout
         self.progress = progress
+        self.seed = seed
+        self.label = label
+        #: store -> the system order of every timed run
+        self.orders: dict[str, list[list[str]]] = {}
         self.cases: dict[tuple[str, str, str, int], Case] = {}
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self.jobs_done = 0
@@ -159,24 +179,26 @@ class Runner:
         for plan in plans:
             counting = count_requests and plan.kind != "local"
             for system in plan.systems:
-                target = get_system(system)
-                reshard = 0 if target.is_limit else len(plan.reshard)
+                reshard = len(plan.reshard_for(system))
                 total += (2 + reshard) * runs
-                if counting:
-                    total += 2 + (0 if target.is_dcpstore else reshard)
+                if counting and system not in plan.secondary:
+                    total += 2 + reshard
         return total
 
     def run(self, plans: list[StorePlan]) -> list[Case]:
         """Run every plan; return the cases (failed runs are recorded, not raised)."""
         self.jobs_total = self.count_jobs(plans, self.runs, self.count_requests)
-        for plan in plans:
+        for i, plan in enumerate(plans):
             store = self.stores.info[plan.name]
-            for rep in range(self.runs):
-                for system in rotated(plan.systems, rep):
+            orders = self.orders[plan.name] = balanced_order(plan.systems, self.runs,
+                                                             self.seed + i)
+            for rep, order in enumerate(orders):
+                for system in order:
                     self._one(plan, store, system, rep, counted=False)
             if self.count_requests and store.proxy_url is not None:
                 for system in plan.systems:
-                    self._one(plan, store.counted(), system, self.runs, counted=True)
+                    if system not in plan.secondary:
+                        self._one(plan, store.counted(), system, self.runs, counted=True)
         return list(self.cases.values())
 
     # -- one system, one repetition ------------------------------------------------------
@@ -184,7 +206,7 @@ class Runner:
     def _one(self, plan: StorePlan, store: StoreInfo, system: str, rep: int,
              *, counted: bool) -> None:
         tag = "count" if counted else f"r{rep}"
-        safe = system.replace("[", "_").replace("]", "")
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in system)
         path = f"bench/{self.run_id}/{plan.name}/{safe}/{tag}"
         try:
             ok = self._job(plan, store, system, "save", self.world_size, path, counted, rep)
@@ -193,14 +215,12 @@ class Runner:
             if self.evict_cache:
                 self.stores.evict(plan.name, path)
             self._job(plan, store, system, "load", self.world_size, path, counted, rep)
-            target = get_system(system)
-            # a counting run's reshard loads are for the peers' bytes on the wire;
-            # dcpstore counts its own bytes read in the timed runs
-            if not target.is_limit and not (counted and target.is_dcpstore):
-                for m in plan.reshard:
-                    if self.evict_cache:
-                        self.stores.evict(plan.name, path)
-                    self._job(plan, store, system, "load", m, path, counted, rep)
+            # the counting run's reshard loads give every system's bytes on the wire,
+            # dcpstore's included (not its own count)
+            for m in plan.reshard_for(system):
+                if self.evict_cache:
+                    self.stores.evict(plan.name, path)
+                self._job(plan, store, system, "load", m, path, counted, rep)
         finally:
             self.stores.delete(plan.name, path)
 
@@ -208,7 +228,7 @@ class Runner:
              path: str, counted: bool, rep: int) -> bool:
         case = self._case(plan, system, op, world_size)
         job = Job(op=op, system=system, store=store, path=path, workload=plan.workload,
-                  options=self.options(system), counted=counted)
+                  options=self.options(plan.name, system, op), counted=counted)
         proxy = self.stores.proxies.get(plan.name) if counted else None
         if proxy is not None:
             proxy.reset_stats()
@@ -220,8 +240,9 @@ class Runner:
             what = "counting run" if counted else f"run {rep + 1}"
             case.errors.append(f"{what}: {exc}")
             first = str(exc).strip().splitlines()
-            self.progress(f"[{self.jobs_done:3d}/{self.jobs_total}] {plan.name:<9} {system:<22} "
-                          f"{op:<4} @{world_size}  FAILED: {first[0] if first else exc}")
+            self.progress(f"{self.label}[{self.jobs_done:3d}/{self.jobs_total}] {plan.name:<9} "
+                          f"{system:<22} {op:<4} @{world_size}  FAILED: "
+                          f"{first[0] if first else exc}")
             logger.debug("job failed:\n%s", exc)
             return False
         self.jobs_done += 1
@@ -244,18 +265,47 @@ class Runner:
         if op == "load":
             verified = "  verified" if all(r.verified for r in results) else "  MISMATCH"
         self.progress(
-            f"[{self.jobs_done:3d}/{self.jobs_total}] {plan.name:<9} {system:<22} {op:<4} "
+            f"{self.label}[{self.jobs_done:3d}/{self.jobs_total}] {plan.name:<9} {system:<22} "
+            f"{op:<4} "
             f"@{world_size}  {what:<9} {format_bytes(plan.workload.state_bytes):>8} "
             f"{seconds:7.2f} s {mbps:8.1f} MB/s{verified}  (job {wall:.1f} s)")
 
 
-def rotated(systems: list[str], rep: int) -> list[str]:
-    """The order of run ``rep``: the list rotated by ``rep`` (A B C, B C A, C A B), so
-    that no system always runs first, or right after the same neighbour's save."""
-    if not systems:
-        return []
-    k = rep % len(systems)
-    return systems[k:] + systems[:k]
+def balanced_order(systems: list[str], runs: int, seed: int) -> list[list[str]]:
+    """The system order of each of ``runs`` runs: seeded random permutations, each
+    followed by its reverse, so that with an even ``runs`` every system runs before
+    every other one in exactly half the runs; the permutations differ from pair to pair
+    (as far as there are enough of them), so the neighbours change too.
+
+    Args:
+        systems: The systems of one store.
+        runs: Timed runs (an odd count ends with an unpaired permutation).
+        seed: Seed of the permutations (recorded with the results).
+    """
+    rng = random.Random(seed)
+    orders: list[list[str]] = []
+    used: set[tuple[str, ...]] = set()
+    while len(orders) < runs:
+        perm = list(systems)
+        for _ in range(50):  # a permutation (or its reverse) not used yet, if there is one
+            rng.shuffle(perm)
+            if tuple(perm) not in used:
+                break
+        used.update({tuple(perm), tuple(reversed(perm))})
+        orders.append(list(perm))
+        if len(orders) < runs:
+            orders.append(perm[::-1])
+    return orders
+
+
+def precedence_counts(orders: list[list[str]]) -> dict[tuple[str, str], int]:
+    """``(a, b) -> in how many of ``orders`` a runs before b``."""
+    counts: dict[tuple[str, str], int] = {}
+    for order in orders:
+        for i, a in enumerate(order):
+            for b in order[i + 1:]:
+                counts[(a, b)] = counts.get((a, b), 0) + 1
+    return counts
 
 
 def _counted_figures(results: list[RankResult], proxy: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ client explicitly, since not all of them read ``AWS_ENDPOINT_URL``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -88,11 +89,15 @@ class Stores:
         workdir: Where the MSC configuration is written.
         local_dir: Directory of the ``local`` store (default: a new temporary one).
         count_requests: Put a counting proxy in front of every server.
+        msc_part_sizes: Part sizes MSC profiles are also written for (profile
+            ``<profile>-part<bytes>``: ``multipart_threshold`` and ``multipart_chunksize``
+            of that size), for the ``msc`` peer's tuning grid.
     """
 
     def __init__(self, names: list[str], workdir: Path, *, local_dir: str | None = None,
-                 count_requests: bool = True) -> None:
+                 count_requests: bool = True, msc_part_sizes: tuple[int, ...] = ()) -> None:
         self.names = names
+        self.msc_part_sizes = tuple(msc_part_sizes)
         self.workdir = workdir
         self.local_dir = local_dir
         self.count_requests = count_requests
@@ -125,6 +130,8 @@ class Stores:
         return str(proxy.endpoint_url)
 
     def _start(self) -> None:
+        from .systems import msc_part_profile  # systems imports this module
+
         profiles: dict[str, Any] = {}
         for name in self.names:
             kind = STORE_KINDS[name]
@@ -144,9 +151,14 @@ class Stores:
                 self._servers[name] = server
                 proxy = self._proxy(name, server.endpoint_url)
                 profile = f"bench-{name}"
-                profiles[profile] = _msc_profile(server.endpoint_url, server.region)
+                endpoints = {profile: server.endpoint_url}
                 if proxy is not None:
-                    profiles[profile + "-counted"] = _msc_profile(proxy, server.region)
+                    endpoints[profile + "-counted"] = proxy
+                for base, endpoint in endpoints.items():
+                    profiles[base] = _msc_profile(endpoint, server.region)
+                    for part in self.msc_part_sizes:
+                        profiles[msc_part_profile(base, part)] = _msc_profile(
+                            endpoint, server.region, part_size=part)
                 self.info[name] = StoreInfo(
                     name, kind, BUCKET, server.endpoint_url, server.region, server.env(),
                     msc_profile=profile,
@@ -214,11 +226,17 @@ class Stores:
         return out
 
 
-def _msc_profile(endpoint: str, region: str) -> dict[str, Any]:
+def _msc_profile(endpoint: str, region: str, *, part_size: int | None = None
+                 ) -> dict[str, Any]:
     # no credentials_provider: MSC's S3 provider takes the same AWS_* environment as
-    # every other client
-    return {"storage_provider": {"type": "s3", "options": {
-        "base_path": BUCKET, "endpoint_url": endpoint, "region_name": region}}}
+    # every other client; the request settings are every botocore client's
+    from .systems import BOTOCORE_S3_CONFIG
+
+    options: dict[str, Any] = {"base_path": BUCKET, "endpoint_url": endpoint,
+                               "region_name": region, **copy.deepcopy(BOTOCORE_S3_CONFIG)}
+    if part_size is not None:
+        options.update(multipart_threshold=part_size, multipart_chunksize=part_size)
+    return {"storage_provider": {"type": "s3", "options": options}}
 
 
 def _write_yaml(path: Path, data: dict[str, Any]) -> None:

@@ -39,6 +39,19 @@ Limits (the same bytes, no DCP, no serialization, no checksums):
 
 The bracket is the variant (part size x requests in flight); the benchmark runs several
 and calls the fastest "the limit".
+
+**Equal request settings.** Every botocore-based client (dcpstore-s3, dcpstore-msc,
+``torch-fsspec-s3`` through s3fs/aiobotocore, ``msc``, ``limit-s3``) is configured the
+same way: ``payload_signing_enabled=False`` (``UNSIGNED-PAYLOAD``, which botocore's S3
+signer obeys over plain HTTP too when it is set explicitly) and
+``request_checksum_calculation`` / ``response_checksum_validation`` =
+``"when_required"`` (no per-request CRC trailers, no response checksum validation).
+s3torchconnector's CRT client exposes neither setting (see :data:`CRT_SETTINGS`).
+:meth:`System.settings` states them per system; the report prints them.
+
+**Peers at their best.** A peer's ``grid`` lists the options tried in the tuning phase
+(``benchmarks.tuning``); a peer label's bracket is either ``best`` (the options the
+tuning picked, per operation) or explicit options, ``msc[thread_count=4,part_size=8MiB]``.
 """
 
 from __future__ import annotations
@@ -56,12 +69,17 @@ from .servers import StoreInfo
 from .workload import RankState, format_bytes, parse_size
 
 __all__ = [
+    "BOTOCORE_S3_CONFIG",
     "DEFAULT_SYSTEMS",
     "OpContext",
     "Operation",
     "System",
     "environment",
     "get",
+    "msc_part_profile",
+    "options_variant",
+    "parse_option_value",
+    "parse_options_variant",
     "split_variant",
 ]
 
@@ -69,6 +87,29 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _WRITE_CHUNK = 64 * _MiB
+
+#: The request settings every botocore-based system gets (see the module docstring).
+BOTOCORE_S3_CONFIG: dict[str, Any] = {
+    "s3": {"payload_signing_enabled": False},
+    "request_checksum_calculation": "when_required",
+    "response_checksum_validation": "when_required",
+}
+#: How :data:`BOTOCORE_S3_CONFIG` reads in the report.
+BOTOCORE_SETTINGS: dict[str, str] = {
+    "payload": "UNSIGNED-PAYLOAD (payload_signing_enabled=False)",
+    "request checksums": "when_required (none on PUT/UploadPart)",
+    "response checksums": "when_required (not validated)",
+}
+#: s3torchconnector's CRT client (mountpoint-s3-client) has no knob for either: what it
+#: does by default.
+CRT_SETTINGS: dict[str, str] = {
+    "payload": "CRT default (not configurable in s3torchconnector)",
+    "request checksums": "CRT default (not configurable in s3torchconnector)",
+    "response checksums": "CRT default (not configurable in s3torchconnector)",
+}
+#: The tuning grid's values (``--grid`` overrides them): threads / concurrency and part size.
+GRID_THREADS: tuple[int, ...] = (1, 4, 8)
+GRID_PART_SIZES: tuple[int, ...] = (8 * _MiB, 32 * _MiB)
 
 
 @dataclass
@@ -134,9 +175,28 @@ class System:
     is_dcpstore: ClassVar[bool] = False
     #: One line for the report.
     description: ClassVar[str] = ""
+    #: Tuning grid of a peer: option -> values tried (their cross product); empty for
+    #: dcpstore (run at its defaults) and the limits (which have variants instead).
+    grid: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    #: The grid options its reader uses (the others only change the save).
+    reader_keys: ClassVar[frozenset[str]] = frozenset()
+    #: The library's defaults of the grid options (a tuned best equal to them is not
+    #: run twice).
+    defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, variant: str = "") -> None:
         self.variant = variant
+
+    def settings(self) -> dict[str, str]:
+        """Payload signing and checksum settings of its requests (``{}``: not HTTP)."""
+        return dict(BOTOCORE_SETTINGS) if "s3" in self.kinds else {}
+
+    def variant_options(self) -> dict[str, Any]:
+        """Options its bracket names (``[thread_count=4,part_size=8MiB]``); ``{}`` for
+        ``[best]`` (resolved by the runner) and for no bracket."""
+        if self.variant in ("", "best"):
+            return {}
+        return parse_options_variant(self.variant)
 
     @property
     def label(self) -> str:
@@ -327,6 +387,8 @@ class TorchFS(DCPSystem):
     name = "torch-fs"
     kinds = ("local",)
     description = "torch FileSystemWriter(sync_files=True) / FileSystemReader"
+    grid = {"thread_count": GRID_THREADS}
+    defaults = {"thread_count": 1}
 
     def writer(self, ctx: OpContext) -> Any:
         from torch.distributed.checkpoint import FileSystemWriter
@@ -372,9 +434,15 @@ class TorchFsspecS3(TorchFsspec):
     protocol = "s3"
     description = "torch FsspecWriter / FsspecReader over s3fs"
 
+    grid = {"thread_count": GRID_THREADS}
+    defaults = {"thread_count": 1}
+
     def storage_options(self, ctx: OpContext) -> dict[str, Any]:
+        # config_kwargs: aiobotocore's AioConfig, the same settings as every botocore client
         return {"endpoint_url": ctx.store.endpoint_url,
-                "client_kwargs": {"region_name": ctx.store.region}}
+                "client_kwargs": {"region_name": ctx.store.region},
+                "config_kwargs": {k: (dict(v) if isinstance(v, dict) else v)
+                                  for k, v in BOTOCORE_S3_CONFIG.items()}}
 
 
 class TorchFsspecGCS(TorchFsspec):
@@ -383,52 +451,137 @@ class TorchFsspecGCS(TorchFsspec):
     requires = ("gcsfs",)
     protocol = "gs"
     description = "torch FsspecWriter / FsspecReader over gcsfs"
+    grid = {"thread_count": GRID_THREADS}
+    defaults = {"thread_count": 1}
+    defaults = {"thread_count": 1}
 
     def storage_options(self, ctx: OpContext) -> dict[str, Any]:
         return {"endpoint_url": ctx.store.endpoint_url, "token": "anon"}
 
 
 class S3TorchConnector(DCPSystem):
+    """s3torchconnector's DCP writer/reader. Options: ``part_size`` and
+    ``throughput_target_gbps`` go to its ``S3ClientConfig`` (writer and reader), the rest
+    (``thread_count``, ...) to ``S3StorageWriter``."""
+
     name = "s3torchconnector"
     kinds = ("s3",)
     requires = ("s3torchconnector", "s3torchconnectorclient")
     description = "s3torchconnector S3StorageWriter / S3StorageReader (default reader)"
+    grid = {"thread_count": GRID_THREADS, "part_size": GRID_PART_SIZES}
+    reader_keys = frozenset({"part_size"})
+    defaults = {"thread_count": 1, "part_size": 8 * _MiB}
+    _CLIENT_KEYS: ClassVar[tuple[str, ...]] = ("part_size", "throughput_target_gbps")
 
-    def _config(self) -> Any:
+    def settings(self) -> dict[str, str]:
+        return dict(CRT_SETTINGS)
+
+    def _config(self, ctx: OpContext) -> Any:
         from s3torchconnector import S3ClientConfig
 
-        return S3ClientConfig(force_path_style=True)
+        client = {k: ctx.options[k] for k in self._CLIENT_KEYS if k in ctx.options}
+        if "part_size" in client:
+            client["part_size"] = int(client["part_size"])
+        return S3ClientConfig(force_path_style=True, **client)
 
     def writer(self, ctx: OpContext) -> Any:
         from s3torchconnector.dcp import S3StorageWriter
 
+        rest = {k: v for k, v in ctx.options.items() if k not in self._CLIENT_KEYS}
         # the endpoint comes from AWS_ENDPOINT_URL (see environment())
         return S3StorageWriter(ctx.store.region, f"s3://{ctx.store.root}/{ctx.path}",
-                               s3client_config=self._config(), **ctx.options)
+                               s3client_config=self._config(ctx), **rest)
 
     def reader(self, ctx: OpContext) -> Any:
         from s3torchconnector.dcp import S3StorageReader
 
         return S3StorageReader(ctx.store.region, f"s3://{ctx.store.root}/{ctx.path}",
-                               s3client_config=self._config())
+                               s3client_config=self._config(ctx))
 
 
 class MSC(DCPSystem):
+    """multi-storage-client's DCP writer/reader. Options: ``part_size`` picks the MSC
+    profile whose ``multipart_threshold`` and ``multipart_chunksize`` are that size
+    (written by :class:`benchmarks.servers.Stores`); ``thread_count`` goes to the writer
+    and the reader, the rest to the writer."""
+
     name = "msc"
     kinds = ("s3",)
     requires = ("multistorageclient",)
     description = "multi-storage-client MultiStorageFileSystemWriter / Reader"
+    grid = {"thread_count": GRID_THREADS, "part_size": GRID_PART_SIZES}
+    reader_keys = frozenset({"thread_count", "part_size"})
+    # part_size is not among them: the default profile is MSC's own (64 MiB threshold,
+    # 32 MiB parts)
+    defaults = {"thread_count": 1}
+
+    @staticmethod
+    def _url(ctx: OpContext) -> str:
+        part = ctx.options.get("part_size")
+        profile = ctx.store.msc_profile or ""
+        if part is not None:
+            profile = msc_part_profile(profile, int(part))
+        return f"msc://{profile}/{ctx.path}"
 
     def writer(self, ctx: OpContext) -> Any:
         from multistorageclient.contrib.torch import MultiStorageFileSystemWriter
 
-        return MultiStorageFileSystemWriter(f"msc://{ctx.store.msc_profile}/{ctx.path}",
-                                            **ctx.options)
+        rest = {k: v for k, v in ctx.options.items() if k != "part_size"}
+        return MultiStorageFileSystemWriter(self._url(ctx), **rest)
 
     def reader(self, ctx: OpContext) -> Any:
         from multistorageclient.contrib.torch import MultiStorageFileSystemReader
 
-        return MultiStorageFileSystemReader(f"msc://{ctx.store.msc_profile}/{ctx.path}")
+        threads = {k: ctx.options[k] for k in ("thread_count",) if k in ctx.options}
+        return MultiStorageFileSystemReader(self._url(ctx), **threads)
+
+
+def msc_part_profile(profile: str, part_size: int) -> str:
+    """The MSC profile of ``profile``'s server with ``part_size`` parts."""
+    return f"{profile}-part{part_size}"
+
+
+def parse_options_variant(variant: str) -> dict[str, Any]:
+    """``"thread_count=4,part_size=8MiB"`` -> ``{"thread_count": 4, "part_size": 8 MiB}``.
+
+    Raises:
+        ValueError: Not ``KEY=VALUE`` pairs separated by commas.
+    """
+    out: dict[str, Any] = {}
+    for item in variant.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad system variant {variant!r} (use best or "
+                             "KEY=VALUE,KEY=VALUE)")
+        out[key.strip()] = parse_option_value(value.strip())
+    return out
+
+
+def options_variant(options: dict[str, Any]) -> str:
+    """The inverse of :func:`parse_options_variant` (sizes of whole MiB as ``8MiB``)."""
+    def text(key: str, v: Any) -> str:
+        if key == "part_size" and isinstance(v, int) and v % _MiB == 0:
+            return f"{v // _MiB}MiB"
+        return str(v)
+
+    return ",".join(f"{k}={text(k, v)}" for k, v in sorted(options.items()))
+
+
+def parse_option_value(text: str) -> Any:
+    """``"true"`` / ``"none"`` / ``"4"`` / ``"0.5"`` / ``"8MiB"`` / anything else as text."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float, parse_size):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
 
 
 # -- raw limits ----------------------------------------------------------------------------
@@ -770,9 +923,18 @@ def get(label: str) -> System:
     if name not in _SYSTEMS:
         raise KeyError(f"unknown system {name!r}; known: {', '.join(_SYSTEMS)}")
     cls = _SYSTEMS[name]
-    if variant and not issubclass(cls, _BufferedLimit):
-        raise KeyError(f"system {name!r} has no variants")
-    return cls(variant) if variant or issubclass(cls, _BufferedLimit) else cls()
+    if issubclass(cls, _BufferedLimit):
+        return cls(variant)
+    if variant and cls.is_dcpstore:
+        raise KeyError(f"system {name!r} has no variants (dcpstore runs at its defaults; "
+                       "use --opt)")
+    system = cls(variant)
+    if variant:
+        try:
+            system.variant_options()
+        except ValueError as exc:
+            raise KeyError(str(exc)) from None
+    return system
 
 
 def names() -> list[str]:

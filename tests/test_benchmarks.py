@@ -3,10 +3,13 @@
 The smoke test runs the quick mode exactly as CI and ``make bench-quick`` do (all stores,
 all systems, one reshard load, the request-counting runs) into a temporary folder and
 checks the outputs: every case ran, every load is bit-exact, the bytes each run moved
-add up to the state size, the counted requests and wire bytes are there, and the JSON,
-Markdown and PNG exist. It asserts nothing about speed. The unit tests below pin the
-pieces whose mistakes would silently skew every figure: the workload's values, the
-option scoping, and the ratio / limit / target arithmetic.
+add up to the state size, the counted requests and wire bytes are there (reshard loads
+of every system, dcpstore's included, counted by the proxy), the tuning picked a best
+per peer, the run order is balanced and recorded, and the JSON, Markdown and PNG exist.
+It asserts nothing about speed. The unit tests below pin the pieces whose mistakes would
+silently skew every figure: the workload's values, the option scoping, the balanced
+order, the grid and the pick of a peer's best, and the ratio / spread / limit / target
+arithmetic.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `pytest` run as a script does not put the repo root there
     sys.path.insert(0, str(REPO))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import report, systems, tuning  # noqa: E402
 from benchmarks.cli import _parse_opts, options_for, parse_args  # noqa: E402
-from benchmarks.runner import rotated  # noqa: E402
+from benchmarks.runner import balanced_order, precedence_counts  # noqa: E402
 from benchmarks.workload import WorkloadSpec, _fill, parse_size, plan_tensors  # noqa: E402
 
 MiB = 1 << 20
@@ -101,20 +104,115 @@ def test_option_scopes() -> None:
 
 def test_quick_and_full_defaults() -> None:
     quick = parse_args(["--quick"])
-    assert (quick.runs, quick.sizes["seaweedfs"], quick.reshard) == (1, 64 * MiB, [1])
+    assert (quick.runs, quick.sizes["seaweedfs"], quick.reshard) == (2, 64 * MiB, [1])
     full = parse_args([])
-    assert (full.runs, full.sizes["seaweedfs"], full.reshard) == (3, 1 << 30, [1, 3])
+    assert (full.runs, full.sizes["seaweedfs"], full.reshard) == (6, 1 << 30, [3])
     assert full.sizes["moto"] < full.sizes["seaweedfs"]
+    assert full.tune and full.grid_values == {} and full.tune_runs == 2
+    assert parse_args(["--order-seed", "7"]).order_seed == 7
 
 
-def test_runs_rotate_the_order() -> None:
-    systems = ["a", "b", "c"]
-    orders = [rotated(systems, rep) for rep in range(3)]
-    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
-    # every system goes first once, and each position is held by each system once
-    assert {o[0] for o in orders} == set(systems)
-    assert all({o[i] for o in orders} == set(systems) for i in range(3))
-    assert rotated([], 2) == []
+@pytest.mark.parametrize(("n", "runs"), [(2, 2), (5, 6), (8, 6), (3, 10)])
+def test_order_is_balanced_over_every_pair(n: int, runs: int) -> None:
+    names = [f"s{i}" for i in range(n)]
+    orders = balanced_order(names, runs, seed=11)
+    assert len(orders) == runs
+    assert all(sorted(o) == names for o in orders)
+    counts = precedence_counts(orders)
+    # every ordered pair: a before b in exactly half the runs
+    for a in names:
+        for b in names:
+            if a != b:
+                assert counts.get((a, b), 0) == runs // 2, (a, b)
+    # seeded: the same seed, the same order; another seed, another one
+    assert balanced_order(names, runs, seed=11) == orders
+    if n > 2:
+        assert balanced_order(names, runs, seed=12) != orders
+
+
+def test_order_neighbours_change() -> None:
+    names = list("abcdef")
+    orders = balanced_order(names, 6, seed=3)
+    # no system follows the same neighbour in every run (unlike a rotation)
+    for x in names:
+        before = {o[o.index(x) - 1] if o.index(x) else None for o in orders}
+        assert len(before) > 1, x
+    # the three permutations (each with its reverse) differ
+    assert len({tuple(o) for o in orders}) == 6
+    assert balanced_order([], 4, seed=0) == [[], [], [], []]
+    odd = balanced_order(names, 3, seed=0)
+    assert odd[1] == odd[0][::-1] and len(odd) == 3
+
+
+def test_grid_parsing_and_points() -> None:
+    grid = tuning.parse_grid(["thread_count=1,4,8", "part_size=8MiB,32MiB,8MiB"])
+    assert grid == {"thread_count": (1, 4, 8), "part_size": (8 * MiB, 32 * MiB)}
+    with pytest.raises(ValueError, match="KEY=V1"):
+        tuning.parse_grid(["thread_count"])
+    msc = systems.get("msc")
+    assert len(tuning.grid_points(msc.grid, {})) == 6  # threads 1/4/8 x parts 8/32 MiB
+    points = tuning.grid_points(msc.grid, {"thread_count": (2,), "other": (1,)})
+    assert points == [{"part_size": 8 * MiB, "thread_count": 2},
+                      {"part_size": 32 * MiB, "thread_count": 2}]
+    label = tuning.point_label("s3torchconnector", {"thread_count": 4, "part_size": 32 * MiB})
+    assert label == "s3torchconnector[part_size=32MiB,thread_count=4]"
+    # a point's options reach the system: s3torchconnector's part size included
+    assert systems.get(label).variant_options() == {"thread_count": 4, "part_size": 32 * MiB}
+    assert options_for({}, label, "load") == {"thread_count": 4, "part_size": 32 * MiB}
+    assert systems.get("torch-fsspec-s3").grid == {"thread_count": (1, 4, 8)}
+    assert not systems.get("dcpstore-s3").grid
+    with pytest.raises(KeyError):
+        systems.get("dcpstore-s3[thread_count=4]")
+    with pytest.raises(KeyError):
+        systems.get("msc[nonsense]")
+
+
+def _tune_case(system: str, op: str, seconds: list[float]) -> dict[str, Any]:
+    return {"store": "seaweedfs", "system": system, "op": op, "world_size": 2, "saved_at": 2,
+            "runs": [[{"seconds": t}, {"seconds": t / 2}] for t in seconds]}
+
+
+def test_pick_best_per_operation() -> None:
+    cases = [
+        _tune_case("msc[part_size=8MiB,thread_count=1]", "save", [4.0, 3.0]),
+        _tune_case("msc[part_size=8MiB,thread_count=1]", "load", [1.0, 1.0]),
+        _tune_case("msc[part_size=8MiB,thread_count=4]", "save", [2.5, 2.0]),  # best save
+        _tune_case("msc[part_size=8MiB,thread_count=4]", "load", [2.0]),
+        _tune_case("msc[part_size=32MiB,thread_count=4]", "save", [2.2]),
+        _tune_case("msc[part_size=32MiB,thread_count=4]", "load", [0.5, 0.9]),  # best load
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "load", [0.1]),
+    ]
+    best = tuning.pick_best("msc", cases, state_bytes=100_000_000)
+    assert best["save"] == {"options": {"part_size": 8 * MiB, "thread_count": 4},
+                            "mbps": pytest.approx(50.0)}
+    assert best["load"]["options"] == {"part_size": 32 * MiB, "thread_count": 4}
+    assert best["load"]["mbps"] == pytest.approx(200.0)
+    assert len(best["points"]) == 3
+    # s3torchconnector's reader uses only the part size: points differing in threads are
+    # one reader, judged by its fastest run
+    s3tc = [
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "save", [3.0]),
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "load", [1.0]),
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "save", [2.0]),
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "load", [0.4]),
+        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "save", [2.9]),
+        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "load", [0.6]),
+    ]
+    best = tuning.pick_best("s3torchconnector", s3tc, state_bytes=100_000_000)
+    assert best["save"]["options"] == {"part_size": 8 * MiB, "thread_count": 8}
+    assert best["load"]["options"] == {"part_size": 8 * MiB}
+    assert not tuning.is_default("s3torchconnector", best)
+    # a reader with no grid options loads at its defaults
+    fs = [_tune_case("torch-fs[thread_count=1]", "save", [1.0]),
+          _tune_case("torch-fs[thread_count=1]", "load", [1.0])]
+    best = tuning.pick_best("torch-fs", fs, state_bytes=100_000_000)
+    assert best["load"]["options"] == {} and tuning.is_default("torch-fs", best)
+    tuned = {"torch-fs": best, "msc": tuning.pick_best("msc", cases, 100_000_000)}
+    assert options_for({}, "msc[best]", "save", tuned) == {"part_size": 8 * MiB,
+                                                            "thread_count": 4}
+    assert options_for({}, "msc[best]", "load", tuned) == {"part_size": 32 * MiB,
+                                                            "thread_count": 4}
+    assert options_for({}, "msc", "load", tuned) == {}
 
 
 # -- report arithmetic ---------------------------------------------------------------------
@@ -145,14 +243,22 @@ def test_medians_ratios_limits_and_targets() -> None:
         _case("seaweedfs", "limit-s3[64MiBx8]", "load", [1.0]),
         _case("seaweedfs", "s3torchconnector", "save", [12.0], cpu=0.5),
         _case("seaweedfs", "s3torchconnector", "load", [4.0], cpu=2.0),
+        # the peer at its tuned best: faster on the load, so the load target uses it
+        _case("seaweedfs", "s3torchconnector[best]", "save", [13.0], cpu=0.4),
+        _case("seaweedfs", "s3torchconnector[best]", "load", [1.8, 1.6, 2.5], cpu=2.0),
     ]
     kinds = {"dcpstore-s3": (False, True), "limit-s3[64MiBx8]": (True, False),
-             "limit-s3[32MiBx16]": (True, False), "s3torchconnector": (False, False)}
+             "limit-s3[32MiBx16]": (True, False), "s3torchconnector": (False, False),
+             "s3torchconnector[best]": (False, False)}
     cases = report.build(raw, kinds)
     by = {(c["system"], c["op"]): c for c in cases}
     save = by[("dcpstore-s3", "save")]
     assert save["summary"]["seconds"] == 10.0
     assert save["summary"]["mbps"] == pytest.approx(100.0)
+    # the spread: the slowest and the fastest run
+    assert save["summary"]["mbps_min"] == pytest.approx(1000 / 30)
+    assert save["summary"]["mbps_max"] == pytest.approx(1000 / 9)
+    assert (save["summary"]["seconds_min"], save["summary"]["seconds_max"]) == (9.0, 30.0)
     assert save["vs_limit"]["limit"] == "limit-s3[32MiBx16]"
     assert save["vs_limit"]["ratio"] == pytest.approx(0.95)
     assert save["ratios"]["s3torchconnector"] == pytest.approx(1.2)
@@ -161,21 +267,29 @@ def test_medians_ratios_limits_and_targets() -> None:
     assert targets["s3-save-limit"]["status"] == "PASS"  # 0.95 >= 0.90
     assert targets["s3-load-limit"]["status"] == "FAIL"  # 0.5 < 0.85
     assert targets["s3-save-s3tc"]["status"] == "PASS"
-    assert targets["s3-load-s3tc"]["status"] == "PASS"  # 2.0x
+    # judged against the peer's best: 2.0 s vs its [best] 1.8 s = 0.9x (its defaults'
+    # 4.0 s would have passed)
+    assert targets["s3-load-s3tc"]["status"] == "FAIL"
+    assert "s3torchconnector[best]" in targets["s3-load-s3tc"]["detail"]
     assert targets["s3-cpu-save"]["status"] == "FAIL"  # 1.0 > 0.5 CPU s per ~0.93 GiB
     assert targets["s3-cpu-load"]["status"] == "PASS"
     assert targets["s3-save-fsspec"]["status"] == "SKIP"
     assert targets["local-save-torch"]["status"] == "SKIP"
     assert targets["memory-seaweedfs-dcpstore-s3-save-2"]["status"] == "PASS"
     md = report.render_markdown({
-        "config": {"mode": "full", "world_size": 2, "runs": 3}, "started": "now",
+        "config": {"mode": "full", "world_size": 2, "runs": 3, "order_seed": 5},
+        "started": "now", "quiet": {"warning": "the machine is not quiet: load 9"},
         "duration_s": 60.0, "command": "python -m benchmarks",
         "machine": {"cpus": 2, "cpu_model": "x", "memory_bytes": 1 << 30, "kernel": "k",
                     "python": "3"},
         "versions": {"torch": "2"},
-        "stores": {"seaweedfs": {"state_bytes": 10**9, "note": ""}},
+        "stores": {"seaweedfs": {"state_bytes": 10**9, "note": "", "systems": [
+            "dcpstore-s3", "s3torchconnector", "s3torchconnector[best]",
+            "limit-s3[64MiBx8]", "limit-s3[32MiBx16]"]}},
         "cases": cases, "targets": list(targets.values())})
-    assert "| **dcpstore-s3** | 100 | 10.00 |" in md
+    assert "| **dcpstore-s3** | 100 (33-111) | 10.00 |" in md
+    assert "| s3torchconnector[best] | 77 | 13.00 | 556 (400-625) | 1.80 |" in md
+    assert "**Warning:** the machine is not quiet" in md and "seed 5" in md
     assert "**FAIL** S3 load >= 85% of the raw limit" in md
 
 
@@ -212,8 +326,8 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         for system in info["systems"]:
             assert (store, system) not in skipped
             is_limit = system.startswith("limit-")
-            ops = [("save", n), ("load", n)] + [
-                ("load", m) for m in ([] if is_limit else info["reshard"])]
+            reshard = [] if is_limit or system in info["secondary"] else info["reshard"]
+            ops = [("save", n), ("load", n)] + [("load", m) for m in reshard]
             for op, world in ops:
                 case = cases.get((store, system, op, world))
                 assert case is not None, (store, system, op, world)
@@ -221,7 +335,28 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     # one reshard load per DCP system on the reshard stores
     assert stores["seaweedfs"]["reshard"] == [1] and stores["local"]["reshard"] == [1]
     assert ("seaweedfs", "dcpstore-s3", "load", 1) in cases
-    assert ("local", "torch-fs", "load", 1) in cases
+    # the tuning ran every peer's grid (one point in quick mode) and its best runs too
+    assert set(result["tuning"]["seaweedfs"]) == {"torch-fsspec-s3", "s3torchconnector",
+                                                  "msc"}
+    assert set(result["tuning"]["local"]) == {"torch-fs"}
+    for store, peers in result["tuning"].items():
+        for name, best in peers.items():
+            assert best["save"]["options"] is not None, (store, name)
+            assert f"{name}[best]" in stores[store]["systems"], (store, name)
+            assert name in stores[store]["secondary"]
+    assert ("local", "torch-fs[best]", "load", 1) in cases
+    assert ("local", "torch-fs", "load", 1) not in cases
+    settings = stores["seaweedfs"]["settings"]
+    assert settings["msc[best]"]["save options"] == {"thread_count": 4, "part_size": 32 * MiB}
+    for label in ("dcpstore-s3", "torch-fsspec-s3", "msc", "dcpstore-msc"):
+        assert settings[label]["payload"].startswith("UNSIGNED-PAYLOAD"), label
+        assert settings[label]["request checksums"].startswith("when_required"), label
+    # the order: recorded, balanced over every pair of the store's systems
+    order = stores["seaweedfs"]["order"]
+    assert len(order) == result["config"]["runs"] == 2
+    assert order[1] == order[0][::-1] and sorted(order[0]) == sorted(info["systems"])
+    assert isinstance(result["config"]["order_seed"], int)
+    assert isinstance(result["quiet"]["quiet"], bool)
     # the targets are all evaluated and printed, with no speed asserted here
     ids = {t["id"] for t in result["targets"]}
     assert {"s3-save-limit", "s3-load-limit", "s3-cpu-save", "local-save-torch",
@@ -251,16 +386,17 @@ def _check_case(case: dict[str, Any], info: dict[str, Any]) -> None:
         # at least the state, at most the state plus headers and `.metadata`; whole
         # data files are not read twice
         assert s["bytes_needed"] <= s["bytes_read"] <= s["bytes_needed"] * 1.05 + MiB, where
+    if case["op"] == "load":
+        # one measure for every system of a store: the proxy on servers, rchar locally
+        assert s["read_measure"] == ("rchar" if case["store"] == "local" else "proxy"), where
     if s["is_dcpstore"]:
         assert s["memory_bound"] > 0, where
         if case["op"] == "load":
-            assert s["read_measure"] == "reader", where
             # DCP's items: the tensor bytes plus a small header each
             assert case["state_bytes"] <= s["reader_bytes_needed"] <= s["reader_bytes_read"]
-    reshard = case["world_size"] != case["saved_at"]
-    # counting runs: on the servers; for dcpstore not on reshard loads (it counts its
-    # own bytes read in the timed runs)
-    if case["store"] != "local" and not (s["is_dcpstore"] and reshard):
+    # counting runs: on the servers, for every system but a peer's defaults whose [best]
+    # runs too; reshard loads included (dcpstore's too)
+    if case["store"] != "local" and case["system"] not in info["secondary"]:
         counted = case["counted"]
         assert counted is not None and counted["verified"], where
         req = counted["requests"]

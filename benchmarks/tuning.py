@@ -1,0 +1,121 @@
+"""The tuning phase: each peer's best setting from a small grid, per store.
+
+Before the timed runs, every peer with a ``grid`` (:attr:`benchmarks.systems.System.grid`:
+threads 1/4/8, and part size 8/32 MiB for s3torchconnector and MSC) saves and loads a
+smaller state at every point of its grid, ``--tune-runs`` times, in a balanced random
+order like the main runs. Per operation, the point with the shortest time (the fastest
+of its runs) is the peer's best; for the load only the options its reader uses count
+(:attr:`~benchmarks.systems.System.reader_keys`; none: the reader's defaults). The main
+runs then run each peer at its defaults **and** as ``<peer>[best]``, and the targets are
+judged against the faster of the two. Every point's figures are in the results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from .systems import get as get_system
+from .systems import options_variant, parse_option_value, split_variant
+
+__all__ = ["grid_points", "is_default", "parse_grid", "pick_best", "point_label"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_grid(items: list[str]) -> dict[str, tuple[Any, ...]]:
+    """``["thread_count=1,4,8", "part_size=8MiB,32MiB"]`` -> values per option.
+
+    Raises:
+        ValueError: An item is not ``KEY=V1[,V2...]``.
+    """
+    out: dict[str, tuple[Any, ...]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not key.strip() or not vals:
+            raise ValueError(f"--grid {item!r}: use KEY=V1,V2,... (e.g. thread_count=1,4,8)")
+        out[key.strip()] = tuple(dict.fromkeys(parse_option_value(v) for v in vals))
+    return out
+
+
+def grid_points(grid: dict[str, tuple[Any, ...]], override: dict[str, tuple[Any, ...]]
+                ) -> list[dict[str, Any]]:
+    """The cross product of a peer's grid, ``override`` replacing the values of the
+    options it names (options the peer does not have are ignored)."""
+    keys = sorted(grid)
+    values = [override.get(k, grid[k]) for k in keys]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+
+
+def point_label(name: str, options: dict[str, Any]) -> str:
+    """``("msc", {"thread_count": 4})`` -> ``"msc[thread_count=4]"``."""
+    return f"{name}[{options_variant(options)}]" if options else name
+
+
+def _best_seconds(case: dict[str, Any]) -> float | None:
+    runs = case.get("runs") or []
+    times = [max(r["seconds"] for r in run) for run in runs if run]
+    return min(times) if times else None
+
+
+def pick_best(name: str, cases: list[dict[str, Any]], state_bytes: int) -> dict[str, Any]:
+    """The best grid point of peer ``name`` per operation, from the tuning cases.
+
+    Args:
+        name: The peer.
+        cases: :meth:`benchmarks.runner.Case.to_dict` of the tuning runs (any systems).
+        state_bytes: Bytes of the tuning state.
+
+    Returns:
+        ``{"save": {"options", "mbps"}, "load": {...}, "points": [{"options",
+        "save_mbps", "load_mbps"}]}``; an operation none of whose points ran has
+        ``options`` ``None``.
+    """
+    system = get_system(name)
+    points: dict[str, dict[str, Any]] = {}
+    for c in cases:
+        base, variant = split_variant(c["system"])
+        if base != name or not variant or c["world_size"] != c["saved_at"]:
+            continue
+        opts = get_system(c["system"]).variant_options()
+        entry = points.setdefault(variant, {"options": opts, "save_s": None, "load_s": None})
+        entry[f"{c['op']}_s"] = _best_seconds(c)
+
+    def mbps(seconds: float | None) -> float | None:
+        return state_bytes / seconds / 1e6 if seconds else None
+
+    out: dict[str, Any] = {"points": [
+        {"options": p["options"], "save_mbps": mbps(p["save_s"]),
+         "load_mbps": mbps(p["load_s"])} for p in points.values()]}
+    saves = [p for p in points.values() if p["save_s"]]
+    best = min(saves, key=lambda p: p["save_s"]) if saves else None
+    out["save"] = {"options": dict(best["options"]) if best else None,
+                   "mbps": mbps(best["save_s"]) if best else None}
+    # a load is judged by the options its reader uses: points that differ only in
+    # writer options are the same reader, and count as one (its fastest run)
+    groups: dict[tuple[tuple[str, Any], ...], float] = {}
+    for p in points.values():
+        if p["load_s"]:
+            key = tuple(sorted((k, v) for k, v in p["options"].items()
+                               if k in system.reader_keys))
+            groups[key] = min(groups.get(key, p["load_s"]), p["load_s"])
+    if groups:
+        key = min(groups, key=lambda k: groups[k])
+        out["load"] = {"options": dict(key), "mbps": mbps(groups[key])}
+    else:
+        out["load"] = {"options": None, "mbps": None}
+    return out
+
+
+def is_default(name: str, tuned: dict[str, Any]) -> bool:
+    """Whether the tuned best of both operations are the peer's library defaults."""
+    defaults = get_system(name).defaults
+    for op in ("save", "load"):
+        opts = tuned.get(op, {}).get("options")
+        if opts is None:
+            return False
+        if any(defaults.get(k, object()) != v for k, v in opts.items()):
+            return False
+    return True
