@@ -40,7 +40,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# The benchmark (docs/performance.md): the full run (~15 min on 2 cores) writes the
+# The benchmark (docs/performance.md): the full run (~18 min on 2 cores) writes the
 # committed results and the docs' chart; the quick one is CI's smoke test (< 2 min).
 bench: setup
 	$(BIN)/python -m benchmarks --out benchmarks/results/latest --publish

@@ -105,7 +105,7 @@ def summarize(case: dict[str, Any], *, is_limit: bool, is_dcpstore: bool) -> dic
         elif "reader_bytes_read" in out and case["store"] != "local":
             out["bytes_read"] = out["reader_bytes_read"]
             out["read_measure"] = "reader"
-        elif out.get("rchar") is not None:
+        elif out.get("rchar") is not None and case["store"] == "local":
             out["bytes_read"] = int(out["rchar"])
             out["read_measure"] = "rchar"
         # what the load must deliver: the tensor bytes of the whole state, whatever the
