@@ -72,6 +72,8 @@ _DEFAULTS = {
     # the tuning phase: runs per grid point, the state size (at most the store's), and
     # the grid's values where they differ from the systems' (threads 1/4/8, parts 8/32 MiB)
     "tune_runs": (2, 1),
+    # quick: tune on one store only, enough to run the tuning and [best] paths end to end
+    "tune_stores": (list(STORE_KINDS), ["seaweedfs"]),
     "tune_size": ("256MiB", "16MiB"),
     # quick: one point per peer, enough to run the tuning and [best] paths end to end
     "grid": ([], ["thread_count=4", "part_size=32MiB"]),
@@ -86,6 +88,8 @@ _ASSUMED_MBPS = {"local": (2300, 5600), "seaweedfs": (180, 600), "moto": (160, 3
 _JOB_OVERHEAD_S = 0.2
 _BACKEND_SCOPES = {"file": "dcpstore-local", "local": "dcpstore-local", "s3": "dcpstore-s3",
                    "gs": "dcpstore-gcs", "gcs": "dcpstore-gcs", "msc": "dcpstore-msc"}
+#: Scopes naming a peer whose own name is taken by a dcpstore backend scope ("msc").
+_PEER_SCOPES = {"multistorageclient": "msc"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                "--runs 6 --tensors 32 --reshard 3 --tune-runs 2 --tune-size 256MiB.\n"
                "Quick-mode defaults: --size 64MiB --moto-size 32MiB --gcs-size 32MiB "
                "--runs 2 --tensors 16 --reshard 1 --tune-runs 1 --tune-size 16MiB "
-               "--grid thread_count=4 part_size=32MiB.")
+               "--tune-stores seaweedfs --grid thread_count=4 part_size=32MiB.")
     p.add_argument("--quick", action="store_true",
                    help="small state, two runs, a small grid, one variant per limit "
                         "(< 2 min; CI smoke)")
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tune each peer over its grid first and also run it at its best "
                         "(default: on)")
     p.add_argument("--tune-runs", type=int, help="runs per grid point in the tuning phase")
+    p.add_argument("--tune-stores", nargs="+", choices=list(STORE_KINDS),
+                   help="stores with a tuning phase (default: all; quick: seaweedfs)")
     p.add_argument("--tune-size", help="state size of the tuning phase (at most each "
                    "store's)")
     p.add_argument("--grid", nargs="+", metavar="KEY=V1,V2",
@@ -141,9 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="raw GCS limit variants (default 32MiBx8 16MiBx16)")
     p.add_argument("--opt", action="append", default=[], metavar="[SCOPE.]KEY=VALUE",
                    help="option for a system: SCOPE is a system name (torch-fsspec-s3."
-                        "thread_count=4), a dcpstore backend (s3.part_size=64MiB, file., "
-                        "gcs., msc.) or 'dcpstore' (every dcpstore system; also the "
-                        "default scope). Repeatable.")
+                        "thread_count=4, s3torchconnector.part_size=32MiB; the msc peer: "
+                        "multistorageclient.thread_count=4), a dcpstore backend "
+                        "(s3.part_size=64MiB, file., gcs., msc.) or 'dcpstore' (every "
+                        "dcpstore system; also the default scope). Repeatable.")
     p.add_argument("--count-requests", action=argparse.BooleanOptionalAction, default=True,
                    help="one extra untimed run per system through a counting proxy "
                         "(default: on)")
@@ -204,7 +211,7 @@ def _parse_opts(items: list[str]) -> dict[str, dict[str, Any]]:
             raise ValueError(f"--opt {item!r}: use [SCOPE.]KEY=VALUE")
         scope, dot, name = key.rpartition(".")
         scope = scope if dot else "dcpstore"
-        scope = _BACKEND_SCOPES.get(scope, scope)
+        scope = _PEER_SCOPES.get(scope, _BACKEND_SCOPES.get(scope, scope))
         if scope != "dcpstore" and scope not in known:
             raise ValueError(f"--opt {item!r}: unknown scope {scope!r} (a system name, a "
                              f"dcpstore backend {sorted(_BACKEND_SCOPES)} or 'dcpstore')")
@@ -269,6 +276,8 @@ def tune_plans(plans: list[StorePlan], args: argparse.Namespace) -> list[StorePl
     loads, no counting."""
     out = []
     for plan in plans:
+        if plan.name not in args.tune_stores:
+            continue
         labels = []
         for label in plan.systems:
             system = systems.get(label)
@@ -310,7 +319,8 @@ def estimate_seconds(plans: list[StorePlan], args: argparse.Namespace) -> float:
         tune_mb = min(args.tune_bytes, plan.workload.state_bytes // 4) / 1e6
         for label in plan.systems:
             system = systems.get(label)
-            points = _grid_size(label, args) if args.tune else 0
+            points = (_grid_size(label, args)
+                      if args.tune and plan.name in args.tune_stores else 0)
             copies = 2 if points else 1  # defaults and [best]
             reshard = 0 if system.is_limit else len(plan.reshard)
             one = (mb / save_mbps + mb / load_mbps + 2 * _JOB_OVERHEAD_S)
@@ -538,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                    "reshard_stores": args.reshard_stores, "limit_s3": args.limit_s3,
                    "limit_gcs": args.limit_gcs, "options": args.options,
                    "tune": args.tune, "tune_runs": args.tune_runs,
+                   "tune_stores": args.tune_stores,
                    "tune_size": args.tune_bytes, "grid": grid_values,
                    "count_requests": args.count_requests, "evict_cache": args.evict_cache},
         "stores": stores_info,

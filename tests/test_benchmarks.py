@@ -100,6 +100,13 @@ def test_option_scopes() -> None:
     assert options_for(scoped, "limit-s3[64MiBx8]") == {}
     with pytest.raises(ValueError, match="unknown scope"):
         _parse_opts(["nope.x=1"])
+    # the peers' grid options are reachable too: s3torchconnector's part size, and the
+    # MSC peer (whose name, msc, is dcpstore's MSC backend scope) as multistorageclient
+    peers = _parse_opts(["s3torchconnector.part_size=32MiB", "multistorageclient.thread_count=4",
+                         "msc.part_size=16MiB"])
+    assert options_for(peers, "s3torchconnector") == {"part_size": 32 * MiB}
+    assert options_for(peers, "msc") == {"thread_count": 4}
+    assert options_for(peers, "dcpstore-msc") == {"part_size": 16 * MiB}
 
 
 def test_quick_and_full_defaults() -> None:
@@ -109,6 +116,7 @@ def test_quick_and_full_defaults() -> None:
     assert (full.runs, full.sizes["seaweedfs"], full.reshard) == (6, 1 << 30, [3])
     assert full.sizes["moto"] < full.sizes["seaweedfs"]
     assert full.tune and full.grid_values == {} and full.tune_runs == 2
+    assert set(full.tune_stores) == set(full.stores) and quick.tune_stores == ["seaweedfs"]
     assert parse_args(["--order-seed", "7"]).order_seed == 7
 
 
@@ -351,17 +359,18 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     # one reshard load per DCP system on the reshard stores
     assert stores["seaweedfs"]["reshard"] == [1] and stores["local"]["reshard"] == [1]
     assert ("seaweedfs", "dcpstore-s3", "load", 1) in cases
-    # the tuning ran every peer's grid (one point in quick mode) and its best runs too
+    # the tuning ran every peer's grid (one point, on SeaweedFS only, in quick mode) and
+    # its best runs too, with the reshard loads (the defaults have none)
+    assert set(result["tuning"]) == {"seaweedfs"}
     assert set(result["tuning"]["seaweedfs"]) == {"torch-fsspec-s3", "s3torchconnector",
                                                   "msc"}
-    assert set(result["tuning"]["local"]) == {"torch-fs"}
-    for store, peers in result["tuning"].items():
-        for name, best in peers.items():
-            assert best["save"]["options"] is not None, (store, name)
-            assert f"{name}[best]" in stores[store]["systems"], (store, name)
-            assert name in stores[store]["secondary"]
-    assert ("local", "torch-fs[best]", "load", 1) in cases
-    assert ("local", "torch-fs", "load", 1) not in cases
+    for name, best in result["tuning"]["seaweedfs"].items():
+        assert best["save"]["options"] is not None, name
+        assert f"{name}[best]" in stores["seaweedfs"]["systems"], name
+        assert name in stores["seaweedfs"]["secondary"]
+        assert ("seaweedfs", f"{name}[best]", "load", 1) in cases
+        assert ("seaweedfs", name, "load", 1) not in cases
+    assert ("local", "torch-fs", "load", 1) in cases and not stores["local"]["secondary"]
     settings = stores["seaweedfs"]["settings"]
     assert settings["msc[best]"]["save options"] == {"thread_count": 4, "part_size": 32 * MiB}
     for label in ("dcpstore-s3", "torch-fsspec-s3", "msc", "dcpstore-msc"):
