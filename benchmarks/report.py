@@ -401,6 +401,11 @@ def _store_section(store: str, info: dict[str, Any], cases: list[dict[str, Any]]
             _requests(s.get("requests")), _requests(lsum.get("requests")), verified,
         ]) + " |")
     lines.append("")
+    best = [f"`{x}`: save {_options_text(st.get('save options'))}; load "
+            f"{_options_text(st.get('load options'))}"
+            for x, st in (info.get("settings") or {}).items() if x.endswith("[best]")]
+    if best:
+        lines += ["Tuned settings: " + " — ".join(best) + ".", ""]
     # ratios of dcpstore systems to every peer and to the limit
     ours = [s for s in systems if (by.get((s, "save")) or by.get((s, "load")) or {}).get(
         "summary", {}).get("is_dcpstore")]
@@ -555,11 +560,13 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
                              "dcpstore" if summ.get("is_dcpstore") else "peer")
             bars = ax.barh(range(len(systems)), vals, color=[colors[k] for k in kinds],
                            xerr=err, error_kw={"elinewidth": 0.8, "capsize": 2})
-            for bar, kind, v in zip(bars, kinds, vals, strict=True):
+            for bar, kind, v, hi in zip(bars, kinds, vals, err[1], strict=True):
                 if kind == "limit":
                     bar.set_hatch("//")
+                # the median, past the error bar's end
                 ax.annotate(f" {v:.0f}" if v else " failed",
-                            (v, bar.get_y() + bar.get_height() / 2), va="center", fontsize=7)
+                            (v + hi, bar.get_y() + bar.get_height() / 2), va="center",
+                            fontsize=7)
             ax.set_yticks(range(len(systems)))
             ax.set_yticklabels(systems, fontsize=8)
             ax.invert_yaxis()

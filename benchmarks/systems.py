@@ -101,11 +101,11 @@ BOTOCORE_SETTINGS: dict[str, str] = {
     "response checksums": "when_required (not validated)",
 }
 #: s3torchconnector's CRT client (mountpoint-s3-client) has no knob for either: what it
-#: does by default.
+#: does by default, as ``python -m benchmarks.wire_settings`` sees it on the wire.
 CRT_SETTINGS: dict[str, str] = {
-    "payload": "CRT default (not configurable in s3torchconnector)",
-    "request checksums": "CRT default (not configurable in s3torchconnector)",
-    "response checksums": "CRT default (not configurable in s3torchconnector)",
+    "payload": "UNSIGNED-PAYLOAD (CRT default, not configurable)",
+    "request checksums": "none (CRT default, not configurable)",
+    "response checksums": "not requested (CRT default, not configurable)",
 }
 #: The tuning grid's values (``--grid`` overrides them): threads / concurrency and part size.
 GRID_THREADS: tuple[int, ...] = (1, 4, 8)
