@@ -111,7 +111,7 @@ def test_option_scopes() -> None:
 
 def test_quick_and_full_defaults() -> None:
     quick = parse_args(["--quick"])
-    assert (quick.runs, quick.sizes["seaweedfs"], quick.reshard) == (2, 64 * MiB, [1])
+    assert (quick.runs, quick.sizes["seaweedfs"], quick.reshard) == (2, 32 * MiB, [1])
     full = parse_args([])
     assert (full.runs, full.sizes["seaweedfs"], full.reshard) == (6, 1 << 30, [3])
     assert full.sizes["moto"] < full.sizes["seaweedfs"]
