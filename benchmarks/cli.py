@@ -302,6 +302,10 @@ def apply_tuning(plans: list[StorePlan], tuned: dict[str, dict[str, Any]]) -> No
         for name, best in tuned.get(plan.name, {}).items():
             if name not in plan.systems or tuning.is_default(name, best):
                 continue
+            if best["save"]["options"] is None or best["load"]["options"] is None:
+                logger.warning("%s: no tuning result for %s (its grid points failed); it "
+                               "runs at its defaults only", plan.name, name)
+                continue
             plan.systems.insert(plan.systems.index(name) + 1, f"{name}[best]")
             plan.secondary.append(name)
 
