@@ -213,7 +213,7 @@ def evaluate_targets(cases: list[dict[str, Any]], world_size: int) -> list[dict[
             # a peer target set on a baseline where that peer was far from the limit:
             # say what it asks for against the limit measured in this run
             need = threshold * rb
-            detail += (f"; {threshold:g}x {other} = {need:.0f} MB/s = "
+            detail += (f"; {threshold:g}x {b['system']} = {need:.0f} MB/s = "
                        f"{need / lim['summary']['mbps']:.2f}x the raw limit of this run")
         add(tid, text, "PASS" if ok else "FAIL", detail)
 
