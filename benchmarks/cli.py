@@ -59,6 +59,9 @@ _DEFAULTS = {
     # 16 MiB x 16: more in flight
     "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16"], ["64MiBx8"]),
     "limit_gcs": (["32MiBx8", "16MiBx16"], ["32MiBx8"]),
+    # dd: write, then fsync (the old limit); wb: parallel writes with write-back started
+    # as they go; direct: O_DIRECT (see benchmarks/limits.py)
+    "limit_local": (["dd", "wb16MiBx2", "direct16MiBx4"], ["wb16MiBx2"]),
 }
 #: Stores the reshard loads run on by default.
 _RESHARD_STORES = ["local", "seaweedfs"]
@@ -106,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 64MiBx8 32MiBx8 16MiBx16; the fastest is the limit)")
     p.add_argument("--limit-gcs", nargs="+", metavar="PARTxN",
                    help="raw GCS limit variants (default 32MiBx8 16MiBx16)")
+    p.add_argument("--limit-local", nargs="+", metavar="VARIANT",
+                   help="local limit variants: dd, wbCHUNKxTHREADS, directCHUNKxTHREADS "
+                        "(default dd wb16MiBx2 direct16MiBx4)")
     p.add_argument("--opt", action="append", default=[], metavar="[SCOPE.]KEY=VALUE",
                    help="option for a system: SCOPE is a system name (torch-fsspec-s3."
                         "thread_count=4), a dcpstore backend (s3.part_size=64MiB, file., "
@@ -115,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one extra untimed run per system through a counting proxy "
                         "(default: on)")
     p.add_argument("--evict-cache", action="store_true",
-                   help="drop the page cache of local checkpoints before loading them "
+                   help="cold loads: drop the page cache of the local checkpoint and of "
+                        "SeaweedFS's data files before every load, for every system "
                         "(default: loads read a warm page cache)")
     p.add_argument("--local-dir", help="directory of the local store (default: a temporary "
                    "directory on the system's temp disk)")
@@ -143,8 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = {"local": parse_size(args.size), "seaweedfs": parse_size(args.size),
                       "moto": parse_size(args.moto_size), "gcs": parse_size(args.gcs_size)}
         args.options = _parse_opts(args.opt)
-        for v in args.limit_s3 + args.limit_gcs:
-            systems.get(f"limit-s3[{v}]")
+        for name in ("s3", "gcs", "local"):
+            for v in getattr(args, f"limit_{name}"):
+                systems.get(f"limit-{name}[{v}]")
     except (ValueError, KeyError) as exc:
         p.error(str(exc))
     if args.out is None:
@@ -220,7 +228,8 @@ def build_plans(args: argparse.Namespace) -> list[StorePlan]:
         for name in systems.DEFAULT_SYSTEMS[kind]:
             if not _selected(name, args.systems):
                 continue
-            variants = {"limit-s3": args.limit_s3, "limit-gcs": args.limit_gcs}.get(name)
+            variants = {"limit-s3": args.limit_s3, "limit-gcs": args.limit_gcs,
+                        "limit-local": args.limit_local}.get(name)
             for label in ([f"{name}[{v}]" for v in variants] if variants else [name]):
                 reason = systems.get(label).unavailable()
                 if reason:
@@ -378,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                    "tensors": args.tensors, "mix": args.mix, "seed": args.seed,
                    "sizes": args.sizes, "reshard": args.reshard,
                    "reshard_stores": args.reshard_stores, "limit_s3": args.limit_s3,
-                   "limit_gcs": args.limit_gcs, "options": args.options,
+                   "limit_gcs": args.limit_gcs, "limit_local": args.limit_local,
+                   "options": args.options,
                    "count_requests": args.count_requests, "evict_cache": args.evict_cache},
         "stores": stores_info,
         "skipped": [{"store": p.name, "system": k, "reason": v}
