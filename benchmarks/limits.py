@@ -118,32 +118,35 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _source(state: RankState, *, aligned: bool) -> memoryview:
-    """The rank's bytes back to back (built untimed, cached); ``aligned``: in a
-    page-aligned anonymous mapping padded to the O_DIRECT alignment."""
-    if not aligned:
-        return memoryview(state.concat())
-    buf = state.scratch.get("limit-aligned-source")
-    if buf is None:
-        data = state.concat()
-        buf = mmap.mmap(-1, max(_aligned(len(data)), _ALIGN))
-        buf[:len(data)] = data
-        state.scratch["limit-aligned-source"] = buf
+def _buffer(state: RankState) -> memoryview:
+    """The one scratch buffer of the rank's limits: page-aligned (an anonymous mapping),
+    padded to the O_DIRECT alignment, reused by every variant and operation so that a
+    rank holds one extra copy of its bytes, not one per variant."""
+    size = max(_aligned(state.share_bytes), _ALIGN)
+    buf = state.scratch.get("limit-buffer")
+    if buf is None or len(buf) != size:
+        buf = state.scratch["limit-buffer"] = mmap.mmap(
+            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return memoryview(buf)
 
 
-def _destination(state: RankState, *, aligned: bool) -> memoryview:
-    """A zeroed buffer of the rank's size (padded and page-aligned for O_DIRECT), its
-    pages resident, reused across loads."""
+def _source(state: RankState) -> memoryview:
+    """The rank's bytes back to back in the scratch buffer (copied untimed; the padding
+    after them zeroed, for O_DIRECT's last block)."""
+    view = _buffer(state)
+    data = state.concat()
+    view[:len(data)] = data
+    view[len(data):] = bytes(len(view) - len(data))
+    return view
+
+
+def _destination(state: RankState) -> memoryview:
+    """The scratch buffer zeroed (its pages resident), to load into."""
     import numpy as np
 
-    key = "limit-aligned-buffer" if aligned else "buffer"
-    buf = state.scratch.get(key)
-    size = max(_aligned(state.share_bytes), _ALIGN) if aligned else state.share_bytes
-    if buf is None or len(buf) != size:
-        buf = state.scratch[key] = mmap.mmap(-1, size) if aligned else bytearray(size)
-    np.frombuffer(buf, dtype=np.uint8)[:] = 0
-    return memoryview(buf)
+    view = _buffer(state)
+    np.frombuffer(view, dtype=np.uint8)[:] = 0
+    return view
 
 
 def _matches(view: memoryview, state: RankState) -> bool:
@@ -235,7 +238,7 @@ class LimitLocal(LimitSystem):
         if self.mode == "dd":
             return self._save_dd(path, state)
         direct = self.mode == "direct"
-        data = _source(state, aligned=direct)
+        data = _source(state)
         size = state.share_bytes
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="limit-local")
         kick = _sync_file_range() if self.mode == "wb" else None
@@ -296,7 +299,7 @@ class LimitLocal(LimitSystem):
         if self.mode == "dd":
             return self._load_dd(path, state)
         direct = self.mode == "direct"
-        buf = _destination(state, aligned=direct)
+        buf = _destination(state)
         size = state.share_bytes
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="limit-local")
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
@@ -472,7 +475,7 @@ class LimitS3(_PartLimit):
         if self.client_kind == "transfer":
             return self._transfer_load(ctx, state)
         client = self._client(ctx)
-        view = _destination(state, aligned=False)
+        view = _destination(state)
         ranges = self.ranges(state)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
         bucket, key = ctx.store.root, self._key(ctx)
@@ -513,38 +516,43 @@ class LimitS3(_PartLimit):
 
     def _transfer_save(self, ctx: OpContext, state: RankState) -> Operation:
         client = self._client(ctx)
-        data = state.concat()
+        data = memoryview(state.concat())
         config = self._transfer_config()
         bucket, key = ctx.store.root, self._key(ctx)
 
         def run() -> dict[str, Any]:
-            # a BytesIO over the bytes: s3transfer reads each part from it (its own copy)
-            client.upload_fileobj(io.BytesIO(data), bucket, key, Config=config)
+            # s3transfer reads each part from the file into its own bytes
+            client.upload_fileobj(_BufferFile(data), bucket, key, Config=config)
             return self._figures(len(self.ranges(state)))
 
         return Operation(run, close=client.close)
 
     def _transfer_load(self, ctx: OpContext, state: RankState) -> Operation:
         client = self._client(ctx)
-        view = _destination(state, aligned=False)
+        view = _destination(state)
         config = self._transfer_config()
         bucket, key = ctx.store.root, self._key(ctx)
 
         def run() -> dict[str, Any]:
-            client.download_fileobj(bucket, key, _BufferWriter(view), Config=config)
+            target = _BufferFile(view[:state.share_bytes])
+            client.download_fileobj(bucket, key, target, Config=config)
             return self._figures(len(self.ranges(state)))
 
         return Operation(run, verify=lambda: _matches(view, state), close=client.close)
 
 
-class _BufferWriter(io.RawIOBase):
-    """A seekable, writable file over a preallocated buffer (for ``download_fileobj``,
-    which seeks to each part's offset and writes it)."""
+class _BufferFile(io.RawIOBase):
+    """A seekable, readable and writable file over a buffer, without a copy of it:
+    the body of the managed-transfer and CRT uploads, and the file
+    ``download_fileobj`` seeks in and writes each part into."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
         self._view = view
         self._pos = 0
+
+    def readable(self) -> bool:
+        return True
 
     def writable(self) -> bool:
         return True
@@ -559,6 +567,13 @@ class _BufferWriter(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
         self._pos = base + offset
         return self._pos
+
+    def readinto(self, out: Any) -> int:
+        dst = memoryview(out).cast("B")
+        n = max(0, min(len(dst), len(self._view) - self._pos))
+        dst[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
 
     def write(self, data: Any) -> int:
         chunk = memoryview(data).cast("B")
@@ -658,11 +673,11 @@ class _CRT:
 
 def _crt_save(limit: LimitS3, ctx: OpContext, state: RankState) -> Operation:
     crt = _CRT(ctx, limit.part_size, limit.concurrency)
-    data = state.concat()
+    data = memoryview(state.concat())
     path = f"/{ctx.store.root}/{limit._key(ctx)}"
 
     def run() -> dict[str, Any]:
-        crt.request("PUT", path, body=io.BytesIO(data), size=len(data))
+        crt.request("PUT", path, body=_BufferFile(data), size=len(data))
         return limit._figures(len(limit.ranges(state)))
 
     return Operation(run)
@@ -670,7 +685,7 @@ def _crt_save(limit: LimitS3, ctx: OpContext, state: RankState) -> Operation:
 
 def _crt_load(limit: LimitS3, ctx: OpContext, state: RankState) -> Operation:
     crt = _CRT(ctx, limit.part_size, limit.concurrency)
-    view = _destination(state, aligned=False)
+    view = _destination(state)
     path = f"/{ctx.store.root}/{limit._key(ctx)}"
     lock = threading.Lock()
     received = [0]
@@ -745,7 +760,7 @@ class LimitGCS(_PartLimit):
 
         import aiohttp
 
-        view = _destination(state, aligned=False)
+        view = _destination(state)
         ranges = self.ranges(state)
         names = self._names(ctx, len(ranges))
         base = f"{ctx.store.endpoint_url}/storage/v1/b/{ctx.store.root}/o"
