@@ -56,8 +56,10 @@ _DEFAULTS = {
     # reading more than needed shows). About 1.5 and 2 min of a full run.
     "reshard": ([1, 3], [1]),
     # 64 MiB x 8: the baseline's configuration; 32 MiB x 8: the S3 backend's defaults;
-    # 16 MiB x 16: more in flight
-    "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16"], ["64MiBx8"]),
+    # 16 MiB x 16: more in flight (boto3's client, threads); then boto3's managed
+    # transfer and the CRT client (see benchmarks/limits.py)
+    "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16", "transfer-32MiBx8", "crt-32MiBx8"],
+                 ["64MiBx8"]),
     "limit_gcs": (["32MiBx8", "16MiBx16"], ["32MiBx8"]),
     # dd: write, then fsync (the old limit); wb: parallel writes with write-back started
     # as they go; direct: O_DIRECT (see benchmarks/limits.py)
@@ -104,9 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reshard-stores", nargs="+", choices=list(STORE_KINDS),
                    default=_RESHARD_STORES, help="stores with reshard loads "
                    f"(default: {' '.join(_RESHARD_STORES)})")
-    p.add_argument("--limit-s3", nargs="+", metavar="PARTxN",
-                   help="raw S3 limit variants, part size x requests in flight "
-                        "(default 64MiBx8 32MiBx8 16MiBx16; the fastest is the limit)")
+    p.add_argument("--limit-s3", nargs="+", metavar="[CLIENT-]PARTxN",
+                   help="raw S3 limit variants, client (client, transfer, crt) - part "
+                        "size x requests in flight (default 64MiBx8 32MiBx8 16MiBx16 "
+                        "transfer-32MiBx8 crt-32MiBx8; the fastest is the limit)")
     p.add_argument("--limit-gcs", nargs="+", metavar="PARTxN",
                    help="raw GCS limit variants (default 32MiBx8 16MiBx16)")
     p.add_argument("--limit-local", nargs="+", metavar="VARIANT",
