@@ -169,7 +169,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], int]:
     fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _ranges(total: int, threads: int, align: int) -> list[tuple[int, int]]:
@@ -412,8 +412,12 @@ class LimitS3(_PartLimit):
         super().configure(rest)
 
     def unavailable(self) -> str | None:
-        self.requires = self.CLIENTS[self.client_kind]
-        return super().unavailable()
+        import importlib.util
+
+        for module in self.CLIENTS[self.client_kind]:
+            if importlib.util.find_spec(module) is None:
+                return f"python module {module!r} is not installed"
+        return None
 
     def _key(self, ctx: OpContext) -> str:
         return f"{ctx.path}/limit_{ctx.rank}.bin"
