@@ -68,8 +68,10 @@ _DEFAULTS = {
     # --reshard 1 3, to keep the full run under 20 min
     "reshard": ([3], [1]),
     # 64 MiB x 8: the baseline's configuration; 32 MiB x 8: the S3 backend's defaults;
-    # 16 MiB x 16: more in flight
-    "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16"], ["64MiBx8"]),
+    # 16 MiB x 16: more in flight (boto3's client, threads); then boto3's managed
+    # transfer and the CRT client (see benchmarks/limits.py)
+    "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16", "transfer-32MiBx8", "crt-32MiBx8"],
+                 ["64MiBx8"]),
     "limit_gcs": (["32MiBx8", "16MiBx16"], ["32MiBx8"]),
     # the tuning phase: runs per grid point, the state size (at most the store's), and
     # the grid's values where they differ from the systems' (threads 1/4/8, parts 8/32 MiB)
@@ -79,6 +81,9 @@ _DEFAULTS = {
     "tune_size": ("256MiB", "16MiB"),
     # quick: one point per peer, enough to run the tuning and [best] paths end to end
     "grid": ([], ["thread_count=4", "part_size=32MiB"]),
+    # dd: write, then fsync (the old limit); wb: parallel writes with write-back started
+    # as they go; direct: O_DIRECT (see benchmarks/limits.py)
+    "limit_local": (["dd", "wb16MiBx2", "direct16MiBx4"], ["wb16MiBx2"]),
 }
 #: Stores the reshard loads run on by default.
 _RESHARD_STORES = ["local", "seaweedfs"]
@@ -142,11 +147,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reshard-stores", nargs="+", choices=list(STORE_KINDS),
                    default=_RESHARD_STORES, help="stores with reshard loads "
                    f"(default: {' '.join(_RESHARD_STORES)})")
-    p.add_argument("--limit-s3", nargs="+", metavar="PARTxN",
-                   help="raw S3 limit variants, part size x requests in flight "
-                        "(default 64MiBx8 32MiBx8 16MiBx16; the fastest is the limit)")
+    p.add_argument("--limit-s3", nargs="+", metavar="[CLIENT-]PARTxN",
+                   help="raw S3 limit variants, client (client, transfer, crt) - part "
+                        "size x requests in flight (default 64MiBx8 32MiBx8 16MiBx16 "
+                        "transfer-32MiBx8 crt-32MiBx8; the fastest is the limit)")
     p.add_argument("--limit-gcs", nargs="+", metavar="PARTxN",
                    help="raw GCS limit variants (default 32MiBx8 16MiBx16)")
+    p.add_argument("--limit-local", nargs="+", metavar="VARIANT",
+                   help="local limit variants: dd, wbCHUNKxTHREADS, directCHUNKxTHREADS "
+                        "(default dd wb16MiBx2 direct16MiBx4)")
     p.add_argument("--opt", action="append", default=[], metavar="[SCOPE.]KEY=VALUE",
                    help="option for a system: SCOPE is a system name (torch-fsspec-s3."
                         "thread_count=4, s3torchconnector.part_size=32MiB; the msc peer: "
@@ -157,7 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one extra untimed run per system through a counting proxy "
                         "(default: on)")
     p.add_argument("--evict-cache", action="store_true",
-                   help="drop the page cache of local checkpoints before loading them "
+                   help="cold loads: drop the page cache of the local checkpoint and of "
+                        "SeaweedFS's data files before every load, for every system "
                         "(default: loads read a warm page cache)")
     p.add_argument("--local-dir", help="directory of the local store (default: a temporary "
                    "directory on the system's temp disk)")
@@ -189,8 +199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.options = _parse_opts(args.opt)
         args.tune_bytes = parse_size(args.tune_size)
         args.grid_values = tuning.parse_grid(args.grid)
-        for v in args.limit_s3 + args.limit_gcs:
-            systems.get(f"limit-s3[{v}]")
+        for name in ("s3", "gcs", "local"):
+            for v in getattr(args, f"limit_{name}"):
+                systems.get(f"limit-{name}[{v}]")
     except (ValueError, KeyError) as exc:
         p.error(str(exc))
     if args.out is None:
@@ -255,7 +266,8 @@ def build_plans(args: argparse.Namespace) -> list[StorePlan]:
         for name in systems.DEFAULT_SYSTEMS[kind]:
             if not _selected(name, args.systems):
                 continue
-            variants = {"limit-s3": args.limit_s3, "limit-gcs": args.limit_gcs}.get(name)
+            variants = {"limit-s3": args.limit_s3, "limit-gcs": args.limit_gcs,
+                        "limit-local": args.limit_local}.get(name)
             for label in ([f"{name}[{v}]" for v in variants] if variants else [name]):
                 reason = systems.get(label).unavailable()
                 if reason:
@@ -552,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                    "order_seed": args.order_seed, "tensors": args.tensors, "mix": args.mix,
                    "seed": args.seed, "sizes": args.sizes, "reshard": args.reshard,
                    "reshard_stores": args.reshard_stores, "limit_s3": args.limit_s3,
-                   "limit_gcs": args.limit_gcs, "options": args.options,
+                   "limit_gcs": args.limit_gcs, "limit_local": args.limit_local,
+                   "options": args.options,
                    "tune": args.tune, "tune_runs": args.tune_runs,
                    "tune_stores": args.tune_stores,
                    "tune_size": args.tune_bytes, "grid": grid_values,

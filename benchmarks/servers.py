@@ -35,6 +35,8 @@ from dcpstore.testing.servers import (
     seaweedfs_server,
 )
 
+from . import pagecache
+
 __all__ = ["BUCKET", "STORE_KINDS", "StoreInfo", "Stores"]
 
 logger = logging.getLogger(__name__)
@@ -199,20 +201,18 @@ class Stores:
             logger.warning("could not delete %s from %s: %s", path, name, exc)
 
     def evict(self, name: str, path: str) -> None:
-        """Drop the page cache of the files under ``path`` (local store only), so the
-        next load reads from the disk rather than from memory."""
+        """Drop the page cache of what a load of ``path`` from store ``name`` would read
+        (:func:`benchmarks.pagecache.evict`), so the load reads the disk rather than
+        memory: the checkpoint's files on the local store, every file of the server's
+        data directory on SeaweedFS. The in-memory servers (moto, fake-gcs-server) have
+        no files to drop."""
         info = self.info[name]
-        if info.kind != "local":
+        if info.kind == "local":
+            pagecache.evict([os.path.join(info.root, path)])
             return
-        for dirpath, _dirs, files in os.walk(os.path.join(info.root, path)):
-            for fname in files:
-                with contextlib.suppress(OSError):
-                    fd = os.open(os.path.join(dirpath, fname), os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
+        data_dir = getattr(self._servers.get(name), "data_dir", None)
+        if data_dir:
+            pagecache.evict([data_dir])
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready description of each store (no secrets)."""

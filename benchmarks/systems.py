@@ -21,24 +21,10 @@ DCP systems (``dcp.save`` / ``dcp.load`` with the system's ``StorageWriter`` /
 ``torch-fsspec-gcs``   torch ``FsspecWriter`` / ``FsspecReader`` over gcsfs
 =====================  ==================================================================
 
-Limits (the same bytes, no DCP, no serialization, no checksums):
-
-=========================  ==============================================================
-``limit-local``            ``dd``-style: each rank writes its shards back to back into one
-                           file with 64 MiB ``write`` calls and ``fsync``; the load reads
-                           the file straight into the destination tensors
-``limit-s3[64MiBx8]``      botocore (boto3's client), unsigned payload, no checksums: a
-                           multipart upload of each rank's bytes, ``64MiB`` parts, ``8``
-                           in flight; the load is ranged ``GET`` s of part size, as many in
-                           flight, read from the socket straight into a preallocated
-                           buffer
-``limit-gcs[32MiBx8]``     aiohttp straight to the JSON API: each rank's bytes as
-                           part-sized objects (``uploadType=media``), that many in flight;
-                           the load ``GET`` s them (``alt=media``) into a buffer
-=========================  ==============================================================
-
-The bracket is the variant (part size x requests in flight); the benchmark runs several
-and calls the fastest "the limit".
+Limits (the same bytes, no DCP, no serialization, no checksums): ``limit-local``,
+``limit-s3``, ``limit-gcs``, in :mod:`benchmarks.limits` (registered here). The bracket
+is the variant (e.g. ``limit-s3[crt-32MiBx8]``); the benchmark runs several and calls
+the fastest "the limit".
 
 **Equal request settings.** Every botocore-based client (dcpstore-s3, dcpstore-msc,
 ``torch-fsspec-s3`` through s3fs/aiobotocore, ``msc``, ``limit-s3``) is configured the
@@ -61,12 +47,11 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .servers import StoreInfo
-from .workload import RankState, format_bytes, parse_size
+from .workload import RankState, parse_size
 
 __all__ = [
     "BOTOCORE_S3_CONFIG",
@@ -86,7 +71,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
-_WRITE_CHUNK = 64 * _MiB
 
 #: The request settings every botocore-based system gets (see the module docstring).
 BOTOCORE_S3_CONFIG: dict[str, Any] = {
@@ -453,7 +437,6 @@ class TorchFsspecGCS(TorchFsspec):
     description = "torch FsspecWriter / FsspecReader over gcsfs"
     grid = {"thread_count": GRID_THREADS}
     defaults = {"thread_count": 1}
-    defaults = {"thread_count": 1}
 
     def storage_options(self, ctx: OpContext) -> dict[str, Any]:
         return {"endpoint_url": ctx.store.endpoint_url, "token": "anon"}
@@ -595,302 +578,10 @@ def split_variant(label: str) -> tuple[str, str]:
     return m.group(1), m.group(2) or ""
 
 
-def _parse_variant(variant: str, default: str) -> tuple[int, int]:
-    """``"64MiBx8"`` -> (part size, requests in flight)."""
-    text = variant or default
-    m = re.fullmatch(r"(.+?)x(\d+)", text)
-    if m is None:
-        raise ValueError(f"bad limit variant {text!r} (use e.g. 64MiBx8)")
-    return parse_size(m.group(1)), int(m.group(2))
-
-
-def variant_name(part_size: int, concurrency: int) -> str:
-    """(64 MiB, 8) -> ``"64MiBx8"``."""
-    return f"{format_bytes(part_size).replace(' ', '')}x{concurrency}"
-
-
-class LimitLocal(System):
-    name = "limit-local"
-    kinds = ("local",)
-    is_limit = True
-    description = "dd-style sequential 64 MiB writes + fsync, sequential reads"
-
-    def _file(self, ctx: OpContext) -> str:
-        return os.path.join(ctx.store.root, ctx.path, f"limit_{ctx.rank}.bin")
-
-    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
-        path = self._file(ctx)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        views = state.local_views("source")
-
-        def run() -> dict[str, Any]:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for view in views:
-                    for lo in range(0, len(view), _WRITE_CHUNK):
-                        chunk = view[lo:lo + _WRITE_CHUNK]
-                        while chunk:
-                            chunk = chunk[os.write(fd, chunk):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return {"write_size": _WRITE_CHUNK}
-
-        return Operation(run)
-
-    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
-        path = self._file(ctx)
-        state.destination()
-        views = state.local_views("destination")
-
-        def run() -> dict[str, Any]:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for view in views:
-                    for lo in range(0, len(view), _WRITE_CHUNK):
-                        chunk = view[lo:lo + _WRITE_CHUNK]
-                        while chunk:
-                            n = os.readv(fd, [chunk])
-                            if n == 0:
-                                raise EOFError(f"{path} is short")
-                            chunk = chunk[n:]
-            finally:
-                os.close(fd)
-            return {"read_size": _WRITE_CHUNK}
-
-        return Operation(run)
-
-
-class _BufferedLimit(System):
-    """A limit that moves the rank's bytes as parts from a cached copy (prepared
-    untimed) and downloads them into a preallocated, pre-touched buffer."""
-
-    is_limit = True
-    default_variant: ClassVar[str] = "64MiBx8"
-
-    def __init__(self, variant: str = "") -> None:
-        super().__init__(variant or self.default_variant)
-        self.part_size, self.concurrency = _parse_variant(self.variant, self.default_variant)
-
-    def parts(self, state: RankState) -> list[bytes]:
-        """The rank's bytes cut into part-size ``bytes`` (cached per part size)."""
-        key = f"parts-{self.part_size}"
-        cached = state.scratch.get(key)
-        if cached is None:
-            for k in [k for k in state.scratch if k.startswith("parts-")]:
-                del state.scratch[k]  # one part size at a time
-            data = memoryview(state.concat())
-            cached = [bytes(data[lo:lo + self.part_size])
-                      for lo in range(0, len(data), self.part_size)] or [b""]
-            state.scratch[key] = cached
-        return list(cached)
-
-    def buffer(self, state: RankState) -> bytearray:
-        """A zeroed buffer of the rank's size, its pages already resident."""
-        buf = state.scratch.get("buffer")
-        if buf is None or len(buf) != state.share_bytes:
-            buf = state.scratch["buffer"] = bytearray(state.share_bytes)
-        import numpy as np
-
-        np.frombuffer(buf, dtype=np.uint8)[:] = 0
-        return buf
-
-    def ranges(self, state: RankState) -> list[tuple[int, int]]:
-        """(offset, length) of every part."""
-        n = state.share_bytes
-        return [(lo, min(self.part_size, n - lo)) for lo in range(0, n, self.part_size)]
-
-
-class LimitS3(_BufferedLimit):
-    name = "limit-s3"
-    kinds = ("s3",)
-    requires = ("boto3",)
-    description = "boto3 client, multipart upload / ranged GETs, unsigned payload"
-
-    def _client(self, ctx: OpContext) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.session.Session().client(
-            "s3", endpoint_url=ctx.store.endpoint_url, region_name=ctx.store.region,
-            config=Config(
-                max_pool_connections=self.concurrency + 4,
-                s3={"addressing_style": "path", "payload_signing_enabled": False},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                retries={"max_attempts": 3, "mode": "standard"},
-                connect_timeout=10, read_timeout=300,
-            ))
-
-    def _key(self, ctx: OpContext) -> str:
-        return f"{ctx.path}/limit_{ctx.rank}.bin"
-
-    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
-        client = self._client(ctx)
-        parts = self.parts(state)
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
-        bucket, key = ctx.store.root, self._key(ctx)
-
-        def run() -> dict[str, Any]:
-            if len(parts) == 1:
-                client.put_object(Bucket=bucket, Key=key, Body=parts[0])
-                return {"parts": 1}
-            upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-
-            def put(i: int) -> dict[str, Any]:
-                r = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id,
-                                       PartNumber=i + 1, Body=parts[i])
-                return {"ETag": r["ETag"], "PartNumber": i + 1}
-
-            done = list(pool.map(put, range(len(parts))))
-            client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
-                                             MultipartUpload={"Parts": done})
-            return {"parts": len(parts), "part_size": self.part_size,
-                    "max_concurrency": self.concurrency}
-
-        def close() -> None:
-            pool.shutdown()
-            client.close()
-
-        return Operation(run, close=close)
-
-    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
-        client = self._client(ctx)
-        buf = self.buffer(state)
-        view = memoryview(buf)
-        ranges = self.ranges(state)
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
-        bucket, key = ctx.store.root, self._key(ctx)
-
-        def get(r: tuple[int, int]) -> None:
-            lo, n = r
-            body = client.get_object(Bucket=bucket, Key=key,
-                                     Range=f"bytes={lo}-{lo + n - 1}")["Body"]
-            try:
-                pos = lo
-                while pos < lo + n:
-                    got = _socket_readinto(body, view[pos:lo + n])
-                    if not got:
-                        raise EOFError(f"s3://{bucket}/{key} is short")
-                    pos += got
-            finally:
-                body.close()
-
-        def run() -> dict[str, Any]:
-            list(pool.map(get, ranges))
-            return {"parts": len(ranges), "part_size": self.part_size,
-                    "max_concurrency": self.concurrency}
-
-        def close() -> None:
-            pool.shutdown()
-            client.close()
-
-        return Operation(run, verify=lambda: buf == state.concat(), close=close)
-
-
-def _socket_readinto(body: Any, out: memoryview) -> int:
-    """Read a botocore response body into ``out`` straight from http.client's socket
-    file, skipping urllib3's ``readinto`` (which reads into a temporary ``bytes`` and
-    copies): the fewest passes over the bytes this client stack allows."""
-    import http.client
-
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if (raw is None or not isinstance(fp, http.client.HTTPResponse) or fp.chunked
-            or raw.headers.get("content-encoding") or not hasattr(raw, "_fp_bytes_read")):
-        return int(body.readinto(out))
-    n = fp.readinto(out)
-    raw._fp_bytes_read += n  # keep urllib3's accounting, so the connection is reused
-    if raw.length_remaining is not None:
-        raw.length_remaining -= n
-    if fp.isclosed():
-        raw.release_conn()
-    return n
-
-
-class LimitGCS(_BufferedLimit):
-    name = "limit-gcs"
-    kinds = ("gcs",)
-    requires = ("aiohttp",)
-    default_variant = "32MiBx8"
-    description = "aiohttp to the JSON API: part-size objects, concurrent"
-
-    def _names(self, ctx: OpContext, count: int) -> list[str]:
-        return [f"{ctx.path}/limit_{ctx.rank}/p{i:05d}" for i in range(count)]
-
-    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
-        import asyncio
-        import urllib.parse
-
-        import aiohttp
-
-        parts = self.parts(state)
-        names = self._names(ctx, len(parts))
-        url = f"{ctx.store.endpoint_url}/upload/storage/v1/b/{ctx.store.root}/o"
-        loop = asyncio.new_event_loop()
-
-        async def main() -> None:
-            limit = asyncio.Semaphore(self.concurrency)
-            connector = aiohttp.TCPConnector(limit=self.concurrency)
-            async with aiohttp.ClientSession(connector=connector) as session:
-                async def put(name: str, data: bytes) -> None:
-                    async with limit:
-                        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
-                        async with session.post(
-                                f"{url}?{query}", data=data,
-                                headers={"Content-Type": "application/octet-stream"}) as r:
-                            r.raise_for_status()
-                            await r.read()
-
-                await asyncio.gather(*(put(n, p) for n, p in zip(names, parts, strict=True)))
-
-        def run() -> dict[str, Any]:
-            loop.run_until_complete(main())
-            return {"parts": len(parts), "part_size": self.part_size,
-                    "max_concurrency": self.concurrency}
-
-        return Operation(run, close=loop.close)
-
-    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
-        import asyncio
-        import urllib.parse
-
-        import aiohttp
-
-        buf = self.buffer(state)
-        view = memoryview(buf)
-        ranges = self.ranges(state)
-        names = self._names(ctx, len(ranges))
-        base = f"{ctx.store.endpoint_url}/storage/v1/b/{ctx.store.root}/o"
-        loop = asyncio.new_event_loop()
-
-        async def main() -> None:
-            limit = asyncio.Semaphore(self.concurrency)
-            connector = aiohttp.TCPConnector(limit=self.concurrency)
-            async with aiohttp.ClientSession(connector=connector) as session:
-                async def get(name: str, lo: int, n: int) -> None:
-                    async with limit, session.get(
-                            f"{base}/{urllib.parse.quote(name, safe='')}?alt=media") as r:
-                        r.raise_for_status()
-                        pos = lo
-                        async for chunk in r.content.iter_any():
-                            view[pos:pos + len(chunk)] = chunk
-                            pos += len(chunk)
-                        if pos != lo + n:
-                            raise EOFError(f"{name}: {pos - lo} bytes, expected {n}")
-
-                await asyncio.gather(*(get(name, lo, n)
-                                       for name, (lo, n) in zip(names, ranges, strict=True)))
-
-        def run() -> dict[str, Any]:
-            loop.run_until_complete(main())
-            return {"parts": len(ranges), "part_size": self.part_size,
-                    "max_concurrency": self.concurrency}
-
-        return Operation(run, verify=lambda: buf == state.concat(), close=loop.close)
-
-
 # -- registry ------------------------------------------------------------------------------
+
+# the limits live in benchmarks/limits.py (it imports the classes above)
+from .limits import LimitGCS, LimitLocal, LimitS3, LimitSystem  # noqa: E402
 
 _SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (
     DcpstoreLocal, TorchFS, LimitLocal,
@@ -923,7 +614,7 @@ def get(label: str) -> System:
     if name not in _SYSTEMS:
         raise KeyError(f"unknown system {name!r}; known: {', '.join(_SYSTEMS)}")
     cls = _SYSTEMS[name]
-    if issubclass(cls, _BufferedLimit):
+    if issubclass(cls, LimitSystem):
         return cls(variant)
     if variant and cls.is_dcpstore:
         raise KeyError(f"system {name!r} has no variants (dcpstore runs at its defaults; "

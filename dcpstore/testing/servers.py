@@ -131,6 +131,8 @@ class S3Server:
             server does not enforce permissions, like moto).
         readonly_secret_key: Its secret.
         enforces_auth: Whether wrong credentials or missing permissions are refused.
+        data_dir: Directory holding the server's stored data (``None``: in memory), e.g.
+            for a benchmark that drops its page cache.
     """
 
     kind: str
@@ -141,6 +143,7 @@ class S3Server:
     readonly_access_key: str | None = None
     readonly_secret_key: str | None = field(default=None, repr=False)
     enforces_auth: bool = False
+    data_dir: str | None = None
 
     def env(self, *, readonly: bool = False) -> dict[str, str]:
         """``AWS_*`` variables for clients of this server (and no real AWS config)."""
@@ -301,7 +304,7 @@ def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None
                             start_new_session=True)
     endpoint = f"http://{_LOOPBACK}:{s3}"
     server = S3Server("seaweedfs", endpoint, access, secret, readonly_access_key=ro_access,
-                      readonly_secret_key=ro_secret, enforces_auth=True)
+                      readonly_secret_key=ro_secret, enforces_auth=True, data_dir=data_dir)
     try:
         deadline = time.monotonic() + start_timeout
         _wait_http(endpoint, deadline, alive=lambda: proc.poll() is None)
