@@ -244,12 +244,48 @@ def evaluate_targets(cases: list[dict[str, Any]], world_size: int) -> list[dict[
                 f"dcpstore-s3 {ca:.2f} vs {b['system']} {cb:.2f} CPU s/GiB")
     ratio_target("local-save-torch", "local save >= 1.0x FileSystemWriter (both fsync)", local,
                  "dcpstore-local", "save", "torch-fs", 1.0)
-    ratio_target("local-save-limit", "local save >= 85% of the dd limit", local,
-                 "dcpstore-local", "save", "limit", 0.85)
+    ratio_target("local-save-limit",
+                 "local save >= 85% of the local limit (fastest of dd, write-back, O_DIRECT)",
+                 local, "dcpstore-local", "save", "limit", 0.85)
     ratio_target("local-load-torch", "local load >= 1.2x FileSystemReader", local,
                  "dcpstore-local", "load", "torch-fs", 1.2)
+    for op in ("save", "load"):
+        text = f"moto, single process: {op} >= 2x FsspecWriter"
+        if world_size != 1:
+            add(f"moto-1-{op}-fsspec", text, "SKIP",
+                f"a {world_size}-rank run (the single-process run is `--world-size 1 "
+                "--stores moto`, make bench's second command)")
+        else:
+            ratio_target(f"moto-1-{op}-fsspec", text, "moto", "dcpstore-s3", op,
+                         "torch-fsspec-s3", 2.0)
+    _peer_targets(cases, world_size, add)
     _memory_targets(cases, world_size, add)
     return targets
+
+
+#: The dcpstore system judged at its defaults on each store.
+_DCPSTORE_ON = {"local": "dcpstore-local", "seaweedfs": "dcpstore-s3", "moto": "dcpstore-s3",
+                "gcs": "dcpstore-gcs"}
+
+
+def _peer_targets(cases: list[dict[str, Any]], world_size: int, add: Any) -> None:
+    """No stand-in on which a peer at its best beats dcpstore at its defaults."""
+    mine = [c for c in cases if c["world_size"] == world_size and c["summary"].get("mbps")]
+    for store in dict.fromkeys(c["store"] for c in mine):
+        ours = _DCPSTORE_ON.get(store)
+        for op in ("save", "load"):
+            a = _find(mine, store, ours, op, world_size) if ours else None
+            peers = [c for c in mine if (c["store"], c["op"]) == (store, op)
+                     and not c["summary"]["is_limit"] and not c["summary"]["is_dcpstore"]]
+            text = f"{store} {op}: no peer at its best beats {ours} at its defaults"
+            if a is None or not peers:
+                add(f"peers-{store}-{op}", text, "SKIP", f"no {ours} or no peer {op}")
+                continue
+            best = max(peers, key=lambda c: c["summary"]["mbps"])
+            ra, rb = a["summary"]["mbps"], best["summary"]["mbps"]
+            add(f"peers-{store}-{op}", text, "PASS" if ra >= rb else "FAIL",
+                f"{ours} {ra:.0f} MB/s vs the fastest peer, {best['system']}, {rb:.0f} MB/s "
+                f"= {ra / rb:.2f}x")
 
 
 def _memory_targets(cases: list[dict[str, Any]], world_size: int, add: Any) -> None:
