@@ -216,6 +216,11 @@ class MarkerWatcher:
                         self._wanted.discard(step)
                         self.seen[step] = now
 
+    def forget(self, steps: list[int]) -> None:
+        """Stop watching for ``steps`` (they never become durable)."""
+        with self._lock:
+            self._wanted.difference_update(steps)
+
     def wait_all(self, timeout: float) -> None:
         """Wait until every wanted step was seen (or ``timeout``)."""
         deadline = time.monotonic() + timeout
@@ -260,6 +265,11 @@ class Saver:
     def figures(self) -> dict[str, Any]:
         """System-specific figures for the results."""
         return {}
+
+    def skipped(self) -> list[int]:
+        """Steps that never become durable by design (a local tier's superseded drains);
+        known after :meth:`finish`."""
+        return []
 
 
 class CopyLimitSaver(Saver):
@@ -314,8 +324,11 @@ class CheckpointerSaver(Saver):
     def close(self) -> None:
         self.ckpt.close()
 
+    def skipped(self) -> list[int]:
+        return [int(s) for s in getattr(self.ckpt, "skipped_drains", [])]
+
     def figures(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"drains_skipped": self.skipped()}
         stager = getattr(self.ckpt, "stager", None)
         if stager is not None and hasattr(stager, "allocations"):
             out["staging_allocations"] = int(stager.allocations)
@@ -556,7 +569,9 @@ def _save_loop(ctx: OpContext, state: RankState, saver: Saver, watcher: MarkerWa
         f0 = time.perf_counter()
         saver.finish()
         finish_s = time.perf_counter() - f0
+        skipped = set(saver.skipped())
         if watcher is not None:
+            watcher.forget(sorted(skipped))
             watcher.wait_all(timeout=120.0)
         end = time.perf_counter()
     finally:
@@ -566,7 +581,10 @@ def _save_loop(ctx: OpContext, state: RankState, saver: Saver, watcher: MarkerWa
     for i, row in enumerate(rows):
         t0, tw = row["t0"], row.pop("tw")
         # durable: from the moment the save could start (the previous one out of the way)
-        if saver.durable_on_return:
+        if row["step"] in skipped:  # superseded locally: never drained to the store
+            row["durable_s"] = None
+            row["skipped"] = True
+        elif saver.durable_on_return:
             row["durable_s"] = row["blocked_s"] - row["waited_s"]
         elif watcher is not None:
             seen = watcher.seen.get(row["step"])
