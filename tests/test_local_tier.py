@@ -552,6 +552,22 @@ def test_drain_copies_through_one_buffer_not_a_heap_chunk_per_read(tmp_path: Pat
     assert peak < dcpstore.local_tier._CHUNK // 4, f"{peak} bytes allocated on the heap"
 
 
+def test_freed_heap_is_released_after_each_background_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the other part of the RSS growth: concurrent save and drain threads get their own
+    # malloc arenas, whose freed blocks stay resident until trimmed
+    calls: list[str] = []
+    real = ckpt_mod.release_freed_heap
+    monkeypatch.setattr(ckpt_mod, "release_freed_heap",
+                        lambda: (calls.append(threading.current_thread().name), real()))
+    ckpt = dcpstore.Checkpointer(str(tmp_path / "remote"), local_tier=str(tmp_path / "l"),
+                                 async_mode="thread", drain_policy="every")
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step))
+    ckpt.close()
+    assert sorted(calls) == ["dcpstore-ckpt"] * 3 + ["dcpstore-drain"] * 3
+
+
 def _rank_coalesce(rank: int, world_size: int, remote: str, local: str) -> dict[str, Any]:
     dcpstore.register_backend("slowremote", _SlowRemote, clobber=True)
     _SlowRemote.reset()
