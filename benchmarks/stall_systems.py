@@ -578,8 +578,8 @@ def _save_loop(ctx: OpContext, state: RankState, saver: Saver, watcher: MarkerWa
         memory.stop()
         if toggles % 2:
             toggle(state)  # leave the cached state as built
-    for i, row in enumerate(rows):
-        t0, tw = row["t0"], row.pop("tw")
+    for row in rows:
+        tw = row.pop("tw")
         # durable: from the moment the save could start (the previous one out of the way)
         if row["step"] in skipped:  # superseded locally: never drained to the store
             row["durable_s"] = None
@@ -591,14 +591,20 @@ def _save_loop(ctx: OpContext, state: RankState, saver: Saver, watcher: MarkerWa
             row["durable_s"] = None if seen is None else seen - tw
         if row["step"] in done:
             row["done_s"] = done[row["step"]] - tw
-        # in flight until durable (rank 0 knows) or until the next save starts
+    for i, row in enumerate(rows):
+        t0 = row["t0"]
+        # in flight until durable (rank 0 knows) or until the next save starts; a skipped
+        # save until the newer step that superseded it is durable
         nxt = rows[i + 1]["t0"] if i + 1 < len(rows) else end
-        until = t0 + row["blocked_s"]
+        until = max(t0 + row["blocked_s"], nxt)
         if row.get("durable_s") is not None:
-            until = max(until, t0 + row["durable_s"])
-        else:
-            until = max(until, nxt)
+            until = max(t0 + row["blocked_s"], t0 + row["durable_s"])
+        elif row.get("skipped"):
+            later = next((r for r in rows[i + 1:] if r.get("durable_s") is not None), None)
+            if later is not None:
+                until = max(until, later["t0"] + later["durable_s"])
         row["peak_extra_bytes"] = max(0, memory.peak(t0, until) - baseline)
+    for row in rows:
         del row["t0"]
     return {"saves": rows, "finish_s": finish_s, "baseline_bytes": baseline,
             "end_extra_bytes": max(0, memory.measure() - baseline),
