@@ -678,6 +678,11 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
             growth.append(saves[-1]["peak_extra_bytes"] - saves[1]["peak_extra_bytes"])
     out["rss_growth_bytes"] = max(growth)
     out["share_bytes"] = max(r["share_bytes"] for r in runs[0])
+    # a local tier's drains skipped because a newer step superseded them (latest wins):
+    # those saves have no durable time
+    skipped = [len(run[0]["extra"].get("drains_skipped") or []) for run in runs]
+    if any(skipped):
+        out["drains_skipped"] = skipped
     allocs = [r["extra"].get("staging_allocations") for run in runs for r in run]
     if any(a is not None for a in allocs):
         out["staging_allocations"] = max(a for a in allocs if a is not None)
@@ -862,6 +867,11 @@ def render_markdown(result: dict[str, Any]) -> str:
                 mem, _s(s["compute_s"]), _s(s.get("load_s")),
                 "—" if "verified" not in s else ("yes" if s["verified"] else "**NO**"),
             ]) + " |")
+        for c in cases:
+            if c["summary"].get("drains_skipped"):
+                lines.append(f"| {c['system']} | drains skipped (latest wins) per run: "
+                             f"{c['summary']['drains_skipped']}; durable over the drained "
+                             "saves | | | | | | | | | |")
         for sk in result.get("skipped", []):
             if sk["store"] == store and sk["size"] == size:
                 lines.append(f"| {sk['system']} | {sk['reason']} | | | | | | | | | |")

@@ -216,6 +216,11 @@ class MarkerWatcher:
                         self._wanted.discard(step)
                         self.seen[step] = now
 
+    def forget(self, steps: list[int]) -> None:
+        """Stop watching for ``steps`` (they never become durable)."""
+        with self._lock:
+            self._wanted.difference_update(steps)
+
     def wait_all(self, timeout: float) -> None:
         """Wait until every wanted step was seen (or ``timeout``)."""
         deadline = time.monotonic() + timeout
@@ -260,6 +265,11 @@ class Saver:
     def figures(self) -> dict[str, Any]:
         """System-specific figures for the results."""
         return {}
+
+    def skipped(self) -> list[int]:
+        """Steps that never become durable by design (a local tier's superseded drains);
+        known after :meth:`finish`."""
+        return []
 
 
 class CopyLimitSaver(Saver):
@@ -314,8 +324,11 @@ class CheckpointerSaver(Saver):
     def close(self) -> None:
         self.ckpt.close()
 
+    def skipped(self) -> list[int]:
+        return [int(s) for s in getattr(self.ckpt, "skipped_drains", [])]
+
     def figures(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"drains_skipped": self.skipped()}
         stager = getattr(self.ckpt, "stager", None)
         if stager is not None and hasattr(stager, "allocations"):
             out["staging_allocations"] = int(stager.allocations)
@@ -556,31 +569,42 @@ def _save_loop(ctx: OpContext, state: RankState, saver: Saver, watcher: MarkerWa
         f0 = time.perf_counter()
         saver.finish()
         finish_s = time.perf_counter() - f0
+        skipped = set(saver.skipped())
         if watcher is not None:
+            watcher.forget(sorted(skipped))
             watcher.wait_all(timeout=120.0)
         end = time.perf_counter()
     finally:
         memory.stop()
         if toggles % 2:
             toggle(state)  # leave the cached state as built
-    for i, row in enumerate(rows):
-        t0, tw = row["t0"], row.pop("tw")
+    for row in rows:
+        tw = row.pop("tw")
         # durable: from the moment the save could start (the previous one out of the way)
-        if saver.durable_on_return:
+        if row["step"] in skipped:  # superseded locally: never drained to the store
+            row["durable_s"] = None
+            row["skipped"] = True
+        elif saver.durable_on_return:
             row["durable_s"] = row["blocked_s"] - row["waited_s"]
         elif watcher is not None:
             seen = watcher.seen.get(row["step"])
             row["durable_s"] = None if seen is None else seen - tw
         if row["step"] in done:
             row["done_s"] = done[row["step"]] - tw
-        # in flight until durable (rank 0 knows) or until the next save starts
+    for i, row in enumerate(rows):
+        t0 = row["t0"]
+        # in flight until durable (rank 0 knows) or until the next save starts; a skipped
+        # save until the newer step that superseded it is durable
         nxt = rows[i + 1]["t0"] if i + 1 < len(rows) else end
-        until = t0 + row["blocked_s"]
+        until = max(t0 + row["blocked_s"], nxt)
         if row.get("durable_s") is not None:
-            until = max(until, t0 + row["durable_s"])
-        else:
-            until = max(until, nxt)
+            until = max(t0 + row["blocked_s"], t0 + row["durable_s"])
+        elif row.get("skipped"):
+            later = next((r for r in rows[i + 1:] if r.get("durable_s") is not None), None)
+            if later is not None:
+                until = max(until, later["t0"] + later["durable_s"])
         row["peak_extra_bytes"] = max(0, memory.peak(t0, until) - baseline)
+    for row in rows:
         del row["t0"]
     return {"saves": rows, "finish_s": finish_s, "baseline_bytes": baseline,
             "end_extra_bytes": max(0, memory.measure() - baseline),

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import threading
@@ -171,6 +173,12 @@ class Checkpointer:
         keep_last_local: Steps kept in the local tier (a step not yet on the remote is
             never deleted while it is the newest).
         drain_retries: Retries of a failed drain before it is reported.
+        drain_policy: ``"latest"`` (default): when a drain starts while a newer step is
+            already committed locally and queued to drain, it is skipped and only the
+            newest step is copied (latest wins; the skipped steps stay in the local tier
+            under ``keep_last_local`` and :meth:`steps` shows them as local only), and
+            ``save`` never waits for a drain. ``"every"``: drain every step, in order;
+            ``save`` waits for the drain before the previous one (backpressure).
         incremental: Each save writes only the tensor payloads that differ from the
             newest committed step at ``root_uri``; unchanged ones are referenced from the
             step that holds them (see :class:`~dcpstore.WriterOptions` ``base``).
@@ -201,6 +209,7 @@ class Checkpointer:
         local_tier: str | os.PathLike[str] | None = None,
         keep_last_local: int | None = 1,
         drain_retries: int = 2,
+        drain_policy: Literal["latest", "every"] = "latest",
         incremental: bool = False,
         process_group: Any = None,
         backend: str | None = None,
@@ -225,6 +234,8 @@ class Checkpointer:
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
         if drain_retries < 0:
             raise ValueError(f"drain_retries must be >= 0, got {drain_retries}")
+        if drain_policy not in ("latest", "every"):
+            raise ValueError(f"drain_policy must be 'latest' or 'every', got {drain_policy!r}")
         if async_mode is not None and staging is False:
             raise ValueError("async saves need staging (the snapshot save() returns after); "
                              "leave staging=None or pass StagingOptions")
@@ -234,6 +245,7 @@ class Checkpointer:
         self.async_mode = async_mode
         self.local_tier = os.path.abspath(os.fspath(local_tier)) if local_tier else None
         self.drain_retries = drain_retries
+        self.drain_policy = drain_policy
         self.incremental = incremental
         self._frozen: dict[int, tuple[str, ...]] = {}  # per step being saved
         self.backend_name = backend
@@ -266,6 +278,14 @@ class Checkpointer:
         #: steps committed locally whose drain has not finished (local retention spares
         #: them; read on the coordinator)
         self._undrained: set[int] = set()
+        #: steps committed locally whose drain job has not decided yet, in commit order
+        #: (= drain order); the coordinator's decides which drains are skipped (latest
+        #: wins), for every rank
+        self._local_ready: dict[int, None] = {}
+        self._ready_lock = threading.Lock()
+        #: Steps committed in the local tier whose drain was skipped because a newer
+        #: step was committed locally before it started (``drain_policy="latest"``).
+        self.skipped_drains: list[int] = []
         self._jobs: list[_Job] = []
         self._lock = threading.Lock()
         #: Timings of the last save: ``blocked_s`` (in ``save``), ``durable_s`` (until
@@ -678,8 +698,12 @@ class Checkpointer:
         return future
 
     def _timed(self, kind: str, step: int, started: float, fn: Any, *args: Any) -> Any:
-        result = fn(*args)
-        if (kind == "drain" or result == "remote") and self.last_timings.get("step") == step:
+        try:
+            result = fn(*args)
+        finally:
+            release_freed_heap()
+        if ((kind == "drain" and result == "drained") or result == "remote") and \
+                self.last_timings.get("step") == step:
             self.last_timings["durable_s"] = time.perf_counter() - started
         return result
 
@@ -688,7 +712,11 @@ class Checkpointer:
         first failure not reported yet."""
         jobs = self._jobs
         wait_for = jobs
-        if keep_last_drain and jobs and jobs[-1].kind == "drain":
+        if keep_last_drain and self.drain_policy == "latest":
+            # latest wins: drains never hold training (a queued one is skipped once a
+            # newer step is committed locally); the writes are waited for
+            wait_for = [j for j in jobs if j.kind == "write"]
+        elif keep_last_drain and jobs and jobs[-1].kind == "drain":
             wait_for = jobs[:-1]
         errors: list[BaseException] = []
         for job in wait_for:
@@ -716,16 +744,16 @@ class Checkpointer:
             self._restart_worker()
         raise first
 
-    def _drain_after(self, write: Future[Any], step: int) -> None:
+    def _drain_after(self, write: Future[Any], step: int) -> str | None:
         try:
             where = write.result()
         except BaseException:
             self._undrained.discard(step)
-            return  # the write failed: reported by its own job
+            return None  # the write failed: reported by its own job
         if where == "local":
-            self._drain(step)
-        else:
-            self._undrained.discard(step)
+            return self._drain(step)
+        self._undrained.discard(step)
+        return None
 
     # -- choosing where a save goes ----------------------------------------------------
 
@@ -751,6 +779,9 @@ class Checkpointer:
         if target.where == "local":
             try:
                 self._dcp_save(step, state, self._local_writer(step), group)
+                with self._ready_lock:
+                    self._local_ready.pop(step, None)
+                    self._local_ready[step] = None
                 self._retain_local(group)
                 return "local"
             except _SaveFailed as failed:
@@ -884,10 +915,28 @@ class Checkpointer:
 
     # -- the drain to the root ---------------------------------------------------------
 
-    def _drain(self, step: int) -> None:
-        """Copy a locally committed step to the root; commit it there last (every rank)."""
+    def _drain(self, step: int) -> str:
+        """Copy a locally committed step to the root; commit it there last (every rank).
+
+        With ``drain_policy="latest"`` the coordinator first decides whether a newer
+        step committed locally supersedes this one, and every rank follows its decision
+        (a broadcast in the drain group): ``"skipped"`` or ``"drained"``."""
+        group = self._group_for_drain()
         try:
+            with self._ready_lock:
+                self._local_ready.pop(step, None)
+                # every step still queued drains after this one
+                newer = max((m for m in self._local_ready if m > step), default=None)
+            if self.drain_policy == "latest":
+                newer = self._broadcast(newer if self._rank(group) == 0 else None, group)
+                if newer is not None:
+                    logger.info("step %d not drained: step %d is committed locally and "
+                                "drains next (latest wins); step %d stays in the local tier",
+                                step, newer, step)
+                    self.skipped_drains.append(step)
+                    return "skipped"
             self._drain_step(step)
+            return "drained"
         finally:
             self._undrained.discard(step)
 
@@ -994,8 +1043,13 @@ class Checkpointer:
             newest_remote = max(remote, default=-1)
             keep = set(local[-self.keep_last_local:])
             undrained = set(self._undrained)
-            doomed = [s for s in local if s not in keep and s not in undrained
-                      and (s in remote or s < newest_remote)]
+            with self._ready_lock:
+                ready = list(self._local_ready)
+            # latest wins: a queued step with a newer one queued after it will be skipped
+            superseded = _superseded(ready) if self.drain_policy == "latest" else set()
+            doomed = [s for s in local if s not in keep
+                      and (s in superseded or (s not in undrained
+                                               and (s in remote or s < newest_remote)))]
         doomed = self._broadcast(doomed, group)
         if doomed:
             self._delete_local(doomed, group)
@@ -1090,6 +1144,39 @@ def _state_nbytes(state: Any) -> int:
         except Exception:
             return 0
     return 0
+
+
+def release_freed_heap() -> None:
+    """Give memory that was freed in any thread's malloc arena back to the OS (glibc's
+    ``malloc_trim``; nothing elsewhere).
+
+    A background save or drain runs on several short-lived threads at once (the write,
+    the drain, the copy and upload pools); glibc gives concurrent threads their own
+    arenas, and a freed block inside an arena stays resident until trimmed, so without
+    this the RSS of a training process grew with every save that overlapped a drain."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # releases the GIL while it runs
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _superseded(queued: list[int]) -> set[int]:
+    """Steps of ``queued`` (drain order) that a newer step queued after them
+    supersedes: their drains will be skipped."""
+    out: set[int] = set()
+    newest_after = -1
+    for step in reversed(queued):
+        if step < newest_after:
+            out.add(step)
+        newest_after = max(newest_after, step)
+    return out
 
 
 def _fill(future: Future[Any], fn: Any, *args: Any) -> None:

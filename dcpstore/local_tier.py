@@ -25,6 +25,7 @@ from .checksum import crc32c
 from .errors import DcpstoreError
 from .manifest import Manifest
 from .metadata_io import load_metadata, read_manifest
+from .multipart import anonymous_buffer
 
 __all__ = [
     "DrainError",
@@ -207,18 +208,31 @@ def _copy_file(local_step: str, name: str, remote: Backend, manifest: Manifest |
     rec = manifest.files.get(name) if manifest else None
     crc = 0
     size = 0
-    with open(os.path.join(local_step, name), "rb") as src, remote.open_upload(name) as up:
-        while True:
-            chunk = src.read(_CHUNK)
-            if not chunk:
-                break
-            up.write(chunk)
-            crc = crc32c(chunk, crc)
-            size += len(chunk)
-        if rec is not None and (rec.size != size or rec.crc32c != crc):
-            raise DrainError(f"{local_step}/{name}: size/CRC32C differ from the manifest; "
-                             "the local copy is damaged, the remote is left as it was")
-        info = up.commit()
+    # one chunk buffer per file, read into: an 8 MiB ``bytes`` per read would come from
+    # the copying thread's malloc arena, and freed arena memory stays resident (RSS
+    # grew with every drain); anonymous memory goes back to the OS when dropped
+    buf = anonymous_buffer(_CHUNK)
+    view = memoryview(buf)
+    try:
+        with open(os.path.join(local_step, name), "rb", buffering=0) as src, \
+                remote.open_upload(name) as up:
+            while True:
+                n = src.readinto(view)
+                if not n:
+                    break
+                chunk = view[:n]
+                up.write(chunk)
+                crc = crc32c(chunk, crc)
+                size += n
+                chunk.release()
+            if rec is not None and (rec.size != size or rec.crc32c != crc):
+                raise DrainError(f"{local_step}/{name}: size/CRC32C differ from the "
+                                 "manifest; the local copy is damaged, the remote is left "
+                                 "as it was")
+            info = up.commit()
+    finally:
+        view.release()
+        buf.close()
     if info.size != size:
         raise DrainError(f"{remote.uri}/{name}: stored {info.size} bytes of {size}")
     return size

@@ -7,6 +7,7 @@ step intact, never a torn remote step, and nothing ``dcpstore gc`` cannot clean.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import random
 import signal
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +80,7 @@ def test_commits_locally_then_drains_and_tells_where(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     remote, local = tmp_path / "remote", tmp_path / "local"
     ckpt = dcpstore.Checkpointer(str(remote), local_tier=str(local), keep_last=2,
-                                 keep_last_local=1)
+                                 keep_last_local=1, drain_policy="every")
     for step in (1, 2, 3):
         ckpt.save(step, _state(step))
         assert (local / ckpt_mod.step_dir(step) / ".metadata").is_file()  # local at once
@@ -144,7 +146,8 @@ def test_remote_shows_a_step_only_when_drained(mode: str | None, tmp_path: Path,
                                                custom_backends: Any) -> None:
     remote = tmp_path / "remote"
     ckpt = dcpstore.Checkpointer(f"gated:/{remote}", local_tier=str(tmp_path / "local"),
-                                 async_mode=mode)  # type: ignore[arg-type]
+                                 async_mode=mode,  # type: ignore[arg-type]
+                                 drain_policy="every")
     GatedBackend.gate.clear()
     ckpt.save(1, _state(1))  # returns: the drain waits at the gate
     deadline = time.monotonic() + 30
@@ -418,6 +421,185 @@ def test_two_ranks_local_tier_with_seaweedfs(tmp_path: Path, seaweed: Store) -> 
         assert r["sources"][0] == str(tmp_path / "local" / "step-000000002")
         assert r["sources"][1] == f"{remote}/step-000000002"
     assert verify_checkpoint(f"{remote}/step-000000002", **seaweed.options).ok
+
+
+# -- latest-wins drains and the drain's memory --------------------------------------------
+
+
+class _SlowRemote(LocalBackend):
+    """Local files whose uploads wait for ``gate``; ``entered`` is set by the first
+    upload that waits, and ``uploads`` counts uploads per step directory."""
+
+    name = "slowremote"
+    schemes = ("slowremote",)
+    gate = threading.Event()
+    entered = threading.Event()
+    uploads: collections.Counter[str] = collections.Counter()
+
+    @classmethod
+    def from_uri(cls, uri: Any, options: Any) -> Any:
+        return cls("/" + uri.location, options)
+
+    def _open_upload(self, key: str) -> Any:
+        _SlowRemote.uploads[os.path.basename(self.location.rstrip("/"))] += 1
+        _SlowRemote.entered.set()
+        assert _SlowRemote.gate.wait(60)
+        return super()._open_upload(key)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.gate.clear()
+        cls.entered.clear()
+        cls.uploads.clear()
+
+
+def _remote_untorn(remote: Path) -> list[int]:
+    """Steps committed under ``remote``, each checked whole (no torn step)."""
+    steps = sorted(int(p.parent.name.split("-")[1]) for p in remote.glob("step-*/.metadata"))
+    for step in steps:
+        assert verify_checkpoint(str(remote / ckpt_mod.step_dir(step))).ok, step
+    return steps
+
+
+def _four_quick_saves(ckpt: dcpstore.Checkpointer, remote: Path, state: Any) -> None:
+    """Step 1's drain is held at the remote; steps 2-4 commit locally meanwhile."""
+    ckpt.save(1, state(1))
+    assert _SlowRemote.entered.wait(60)  # drain 1 decided and is uploading
+    for step in (2, 3, 4):
+        ckpt.save(step, state(step))  # latest wins: never waits for a drain
+    ckpt._runner.join()  # the writes (async modes) are committed locally
+    assert _remote_untorn(remote) == []
+    _SlowRemote.gate.set()
+    ckpt.wait()
+
+
+@pytest.mark.parametrize("mode", [None, "thread"])
+def test_slow_drains_coalesce_latest_wins(mode: str | None, tmp_path: Path) -> None:
+    dcpstore.register_backend("slowremote", _SlowRemote, clobber=True)
+    _SlowRemote.reset()
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    try:
+        ckpt = dcpstore.Checkpointer(f"slowremote:/{remote}", local_tier=str(local),
+                                     async_mode=mode,  # type: ignore[arg-type]
+                                     keep_last_local=3)
+        _four_quick_saves(ckpt, remote, _state)
+        # 2 and 3 were superseded by 4 before their drains started: never uploaded
+        assert ckpt.skipped_drains == [2, 3]
+        assert sorted(_SlowRemote.uploads) == ["step-000000001", "step-000000004"]
+        assert _remote_untorn(remote) == [1, 4]
+        assert [(int(s), s.where) for s in ckpt.steps()] == [
+            (1, "remote"), (2, "local"), (3, "local"), (4, "both")]
+        assert ckpt.latest() == 4 and ckpt.last_timings["durable_s"] is not None
+        out = _empty()
+        assert ckpt.load(out, step=3) == 3 and ckpt.last_load["where"] == "local"
+        assert_state_equal(out, _state(3))
+        ckpt.close()
+        # keep_last_local=1: a superseded step is deleted locally at once, the step
+        # being drained stays until it is on the remote
+        _SlowRemote.reset()
+        again = dcpstore.Checkpointer(f"slowremote:/{remote}", local_tier=str(local),
+                                      keep_last_local=1, drain_policy="latest")
+        again.save(5, _state(5))
+        assert _SlowRemote.entered.wait(60)
+        for step in (6, 7):
+            again.save(step, _state(step))
+        assert sorted(os.listdir(local)) == ["step-000000005", "step-000000007"]
+        _SlowRemote.gate.set()
+        again.wait()
+        assert again.skipped_drains == [6]
+        assert [(int(s), s.where) for s in again.steps()] == [
+            (1, "remote"), (4, "remote"), (5, "remote"), (7, "both")]
+        again.close()
+    finally:
+        _SlowRemote.gate.set()
+        registry._reset_for_tests()
+
+
+def test_drain_every_step_on_request(tmp_path: Path) -> None:
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    with pytest.raises(ValueError, match="drain_policy"):
+        dcpstore.Checkpointer(str(remote), local_tier=str(local),
+                              drain_policy="newest")  # type: ignore[arg-type]
+    ckpt = dcpstore.Checkpointer(str(remote), local_tier=str(local), async_mode="thread",
+                                 drain_policy="every")
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, _state(step))
+    ckpt.wait()
+    assert ckpt.skipped_drains == []
+    assert _remote_untorn(remote) == [1, 2, 3, 4]
+    ckpt.close()
+
+
+def test_drain_copies_through_one_buffer_not_a_heap_chunk_per_read(tmp_path: Path) -> None:
+    # the cause of the local tier's RSS growth from save to save: each read of the drain
+    # was a fresh 8 MiB bytes from the malloc arena of a short-lived drain thread, and
+    # freed arena memory stays resident; the copy now reads into one anonymous buffer
+    # per file, which malloc (and tracemalloc) never sees
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    ckpt = dcpstore.Checkpointer(str(remote / "unused"), local_tier=str(local))
+    ckpt.save(1, {"a": torch.rand(5 << 20), "b": torch.rand(5 << 20)})  # 2 x 20 MiB
+    step = str(local / ckpt_mod.step_dir(1))
+    ckpt._settle(keep_last_drain=False)
+    ckpt.close()
+    target = LocalBackend(str(remote / "copy"))
+    tracemalloc.start()
+    try:
+        copied = dcpstore.local_tier.copy_rank_files(step, target, 0, True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert copied.bytes >= 40 << 20
+    assert peak < dcpstore.local_tier._CHUNK // 4, f"{peak} bytes allocated on the heap"
+
+
+def test_freed_heap_is_released_after_each_background_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the other part of the RSS growth: concurrent save and drain threads get their own
+    # malloc arenas, whose freed blocks stay resident until trimmed
+    calls: list[str] = []
+    real = ckpt_mod.release_freed_heap
+    monkeypatch.setattr(ckpt_mod, "release_freed_heap",
+                        lambda: (calls.append(threading.current_thread().name), real()))
+    ckpt = dcpstore.Checkpointer(str(tmp_path / "remote"), local_tier=str(tmp_path / "l"),
+                                 async_mode="thread", drain_policy="every")
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step))
+    ckpt.close()
+    assert sorted(calls) == ["dcpstore-ckpt"] * 3 + ["dcpstore-drain"] * 3
+
+
+def _rank_coalesce(rank: int, world_size: int, remote: str, local: str) -> dict[str, Any]:
+    dcpstore.register_backend("slowremote", _SlowRemote, clobber=True)
+    _SlowRemote.reset()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def state(v: int) -> dict[str, Any]:
+        full = torch.arange(64, dtype=torch.float32).reshape(16, 4) + v
+        return {"d": distribute_tensor(full, mesh, [Shard(0)]), "n": v}
+
+    ckpt = dcpstore.Checkpointer(f"slowremote:/{remote}", local_tier=local,
+                                 async_mode="thread", keep_last_local=1)
+    _four_quick_saves(ckpt, Path(remote), state)
+    out = {"d": distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)]), "n": 0}
+    ckpt.load(out)
+    ok = torch.equal(out["d"].to_local(), state(4)["d"].to_local()) and out["n"] == 4
+    result = {"skipped": list(ckpt.skipped_drains), "uploads": sorted(_SlowRemote.uploads),
+              "where": [(int(s), s.where) for s in ckpt.steps()], "ok": ok,
+              "loaded": ckpt.last_load["where"]}
+    ckpt.close()
+    dist.barrier()
+    return result
+
+
+def test_two_ranks_agree_which_drains_are_skipped(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    results = run_ranks(_rank_coalesce, 2, str(remote), str(tmp_path / "local"))
+    for r in results:
+        assert r["skipped"] == [2, 3]
+        assert r["uploads"] == ["step-000000001", "step-000000004"]
+        assert r["where"] == [(1, "remote"), (4, "both")]
+        assert r["ok"] and r["loaded"] == "local"
+    assert _remote_untorn(remote) == [1, 4]
 
 
 # -- reliability: SIGKILL during the drain -------------------------------------------------
