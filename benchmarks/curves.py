@@ -296,10 +296,12 @@ def _load_average() -> list[float]:
         return []
 
 
-def _run_points(points: list[Point], args: argparse.Namespace) -> tuple[
-        list[dict[str, Any]], dict[str, Any]]:
+def _run_points(points: list[Point], args: argparse.Namespace,
+                result: dict[str, Any]) -> None:
+    """Measure every point into ``result["points"]``, saving ``results.json`` after each
+    one (``"complete": false`` until the last), so a run cut short keeps what it did."""
     pools: dict[int, RankPool] = {}
-    measured: list[dict[str, Any]] = []
+    measured: list[dict[str, Any]] = result["points"]
     # a point of two series (the size series' base size at its world size is also a
     # point of the world series) is measured once and reported in both
     jobs: dict[tuple[str, int, WorkloadSpec], list[Point]] = {}
@@ -310,6 +312,7 @@ def _run_points(points: list[Point], args: argparse.Namespace) -> tuple[
         remaining[world] = remaining.get(world, 0) + 1
     with Stores(sorted({p.store for p in points}), args.out, local_dir=args.local_dir,
                 count_requests=False) as stores:
+        result["stores"] = stores.describe()
         try:
             for i, ((store, world, workload), same) in enumerate(jobs.items()):
                 for w in [w for w in pools if w != world and not remaining.get(w)]:
@@ -335,10 +338,18 @@ def _run_points(points: list[Point], args: argparse.Namespace) -> tuple[
                             is_dcpstore=target.is_dcpstore)
                         measured.append(raw)
                 remaining[world] -= 1
+                _save_json(result, args.out)
+            result["complete"] = True
+        except KeyboardInterrupt:
+            print("interrupted: reporting the points measured so far", flush=True)
         finally:
             for pool in pools.values():
                 pool.close()
-        return measured, stores.describe()
+
+
+def _save_json(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,18 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     if load and load[0] > 0.5 * (os.cpu_count() or 1):
         print("  WARNING: the machine is busy; figures will be noisy")
     sys.stdout.flush()
-    args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    measured, stores_info = _run_points(points, args)
     result: dict[str, Any] = {
         "harness_version": 1,
         "kind": "curves",
+        "complete": False,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "duration_s": time.time() - started,
+        "duration_s": 0.0,
         "command": "python -m benchmarks --curves " + " ".join(shlex.quote(a) for a in (
             sys.argv[1:] if argv is None else argv) if a != "--curves"),
         "machine": machine_info(),
-        "load_average": {"start": load, "end": _load_average()},
+        "load_average": {"start": load, "end": None},
         "versions": versions(),
         "config": {"mode": args.mode, "series": args.series, "stores": args.stores,
                    "worlds": args.worlds, "sizes": args.size_bytes,
@@ -379,16 +389,18 @@ def main(argv: list[str] | None = None) -> int:
                    "tensors": args.tensors, "many_tensors": args.many_tensors,
                    "mix": args.mix, "runs": args.runs, "seed": args.seed,
                    "options": args.options},
-        "stores": stores_info,
-        "points": measured,
+        "stores": {},
+        "points": [],
     }
+    _run_points(points, args, result)
+    result["duration_s"] = time.time() - started
+    result["load_average"]["end"] = _load_average()
     return _finish(result, args.out)
 
 
 def _finish(result: dict[str, Any], out: Path) -> int:
     result["findings"] = findings(result["points"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    _save_json(result, out)
     md = render_markdown(result)
     (out / "results.md").write_text(md)
     charts = write_charts(result, out)
@@ -396,7 +408,7 @@ def _finish(result: dict[str, Any], out: Path) -> int:
     print(md)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, "
           f"{', '.join(str(c) for c in charts)} ({result['duration_s'] / 60:.1f} min)")
-    healthy = bool(result["points"]) and all(
+    healthy = bool(result["points"]) and result.get("complete", True) and all(
         p["summary"]["ok"] and not p["errors"] and p["summary"].get("verified", True)
         for p in result["points"])
     return 0 if healthy else 1
@@ -417,7 +429,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         "# dcpstore scaling curves", "",
         f"`{result['command']}` — {result['started']}, {result['duration_s'] / 60:.1f} min, "
         f"commit {m.get('git_commit')}, {m['cpus']} CPUs ({m['cpu_model']}), "
-        f"{m['memory_bytes'] / _GiB:.0f} GiB RAM.", "",
+        f"{m['memory_bytes'] / _GiB:.0f} GiB RAM."
+        + ("" if result.get("complete", True) else
+           " **Incomplete**: the run was cut short; the points below are those measured."),
+        "",
         f"Load average (1/5/15 min) at the start {la.get('start')}, at the end "
         f"{la.get('end')}; each point's 1-min load is in the tables. Median of "
         f"{result['config']['runs']} run(s) per point; every load verified bit-exact "
@@ -519,7 +534,7 @@ def write_charts(result: dict[str, Any], out: Path) -> list[Path]:
                     ax.set_xscale("log", base=2)
                     ax.set_xticks(result["config"]["worlds"],
                                   [str(w) for w in result["config"]["worlds"]])
-                if row == 0 and col == 0:
+                if row == 0 and col == 0 and ax.get_legend_handles_labels()[0]:
                     ax.legend(fontsize=7)
         fig.suptitle(f"dcpstore scaling against {'world size' if name == 'world' else 'size'}"
                      f": {m['cpus']} CPUs, median of {result['config']['runs']} run(s), "

@@ -29,7 +29,7 @@ MiB = 1 << 20
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_quick_curve_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "curves"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -39,7 +39,7 @@ def test_quick_curve_end_to_end(tmp_path: Path) -> None:
          "--systems", "dcpstore-local", "--series", "world", "size", "--base-size", "4MiB",
          "--sizes", "4MiB", "12MiB",
          "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "estimated duration" in proc.stdout
     for name in ("results.json", "results.md", "world.png", "size.png"):
@@ -48,6 +48,7 @@ def test_quick_curve_end_to_end(tmp_path: Path) -> None:
     assert (out / "size.png").read_bytes()[:8] == PNG
     result = json.loads((out / "results.json").read_text())
     assert result["kind"] == "curves" and result["config"]["mode"] == "quick"
+    assert result["complete"] is True
     assert len(result["load_average"]["start"]) == 3
     points = {(p["series"], p["system"], p["op"], p["world_size"], p["state_bytes"]): p
               for p in result["points"]}
@@ -79,7 +80,15 @@ def test_quick_curve_end_to_end(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "## local: against world size" in md and "## local: against state size" in md
     assert "## Superlinear growth" in md
-    assert "MISMATCH" not in md and "FAILED" not in md
+    assert "MISMATCH" not in md and "FAILED" not in md and "Incomplete" not in md
+    # a run cut short keeps its points: --render rebuilds the report from them
+    result["complete"] = False
+    result["points"] = [p for p in result["points"] if p["world_size"] == 1]
+    (out / "results.json").write_text(json.dumps(result))
+    assert curves.main(["--render", str(out)]) == 1  # incomplete: not a healthy run
+    md = (out / "results.md").read_text()
+    assert "Incomplete" in md and "## local: against world size" in md
+    assert "## local: against state size" not in md
 
 
 def _point(series: str, world: int, cpu_per_gib: float, rss: int, share: int
