@@ -371,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if load and load[0] > 0.5 * (os.cpu_count() or 1):
         print("  WARNING: the machine is busy; figures will be noisy")
     sys.stdout.flush()
+    args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     result: dict[str, Any] = {
         "harness_version": 1,
