@@ -65,6 +65,8 @@ _GiB = float(1 << 30)
 SUPERLINEAR = 1.15
 #: Peak extra RSS below this is allocator noise, not a cost worth a finding.
 _RSS_FLOOR = 64 << 20
+#: Floor of the non-coordinator ranks' RSS check (their peak is small and steady).
+_OTHERS_FLOOR = 16 << 20
 SERIES = ("world", "size", "many")
 #: Systems per store by default: dcpstore and the reference (torch's own writer) where
 #: it is cheap; ``--systems`` adds others (e.g. ``limit-*``).
@@ -258,12 +260,22 @@ def curves(points: list[dict[str, Any]]) -> dict[tuple[str, str, str, str], list
     return out
 
 
+def _others_rss(point: dict[str, Any]) -> float | None:
+    """Median peak extra RSS of the ranks other than the coordinator (``None`` for one
+    rank): the memory every rank pays, whatever the coordinator adds."""
+    peaks = point["summary"].get("peak_extra_rss") or []
+    return float(statistics.median(peaks[1:])) if len(peaks) > 1 else None
+
+
 def findings(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Where a dcpstore cost grows faster than linearly (growth > :data:`SUPERLINEAR`).
 
     Checked per curve: CPU s/GiB (total work per byte: should stay flat with world size
-    and with state size), peak extra RSS over the rank's share (where it is above
-    64 MiB: below, it is allocator noise), and (size series) seconds per GiB.
+    and with state size); peak extra RSS over the rank's share, where it is above 64 MiB
+    (below, allocator noise) and above the backend's memory bound (a fixed buffer is not
+    a growth); along the world size, the non-coordinator ranks' peak extra RSS, where it
+    is above 16 MiB (each rank handles the same items whatever the world size, so it must
+    not grow); and (size series) seconds per GiB.
     """
     found = []
     for (series, store, system, op), curve in curves(points).items():
@@ -273,16 +285,23 @@ def findings(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                   "rss_per_share_max": _growth(curve, "rss_per_share_max")}
         if series == "size":
             checks["seconds_per_gib"] = _growth(curve, "seconds_per_gib")
+        else:
+            others = [_others_rss(p) for p in curve]
+            first = next((v for v in others if v), None)
+            checks["others_peak_rss"] = [None if first is None or v is None or v < _OTHERS_FLOOR
+                                         else v / first for v in others]
         for figure, growth in checks.items():
             for p, g in zip(curve, growth, strict=True):
+                s = p["summary"]
                 if figure == "rss_per_share_max" and (
-                        p["summary"].get("peak_extra_rss_max") or 0) < _RSS_FLOOR:
+                        (s.get("peak_extra_rss_max") or 0) < _RSS_FLOOR
+                        or (s.get("peak_extra_rss_max") or 0) <= (s.get("memory_bound") or 0)):
                     continue
                 if g is not None and g > SUPERLINEAR:
+                    value = _others_rss(p) if figure == "others_peak_rss" else s.get(figure)
                     found.append({"series": series, "store": store, "system": system,
                                   "op": op, "figure": figure, "x": p["x"],
-                                  "growth": round(g, 3),
-                                  "value": p["summary"].get(figure)})
+                                  "growth": round(g, 3), "value": value})
     return found
 
 
@@ -477,9 +496,11 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append("None: every dcpstore cost per GiB and memory per share stayed within "
                      f"{SUPERLINEAR:.2f}x of the curve's first point.")
     for f in found:
+        rss = f["figure"] == "others_peak_rss" and f["value"] is not None
+        value = format_bytes(f["value"]) if rss else _f(f["value"], ".3g")
         lines.append(f"- {f['store']} {f['system']} {f['op']}, {f['series']} series at "
                      f"x={f['x']:g}: {f['figure']} {f['growth']:.2f}x the first point "
-                     f"({_f(f['value'], '.3g')})")
+                     f"({value})")
     errors = [(p["store"], p["system"], p["op"], p["world_size"], e)
               for p in result["points"] for e in p["errors"]]
     if errors:

@@ -107,6 +107,13 @@ def test_findings_flag_superlinear_cpu_and_memory() -> None:
                _point("world", 4, 1.6, 200 * MiB, gib // 4)]
     found = {(f["figure"], f["x"]) for f in curves.findings(growing)}
     assert found == {("cpu_s_per_gib", 4), ("rss_per_share_max", 4)}
+    # every rank's memory growing with the world size is found though each is small
+    others = [{**_point("world", w, 1.0, 30 * MiB, gib // w),
+               "summary": {**_point("world", w, 1.0, 30 * MiB, gib // w)["summary"],
+                           "peak_extra_rss": [30 * MiB] + [w * 5 * MiB] * (w - 1)}}
+              for w in (2, 4)]
+    assert {(f["figure"], f["x"]) for f in curves.findings(others)} == {
+        ("others_peak_rss", 4)}
     # a memory growth under the noise floor is not a finding
     tiny = [_point("world", 1, 1.0, 1 * MiB, gib), _point("world", 2, 1.0, 2 * MiB, gib // 2)]
     assert curves.findings(tiny) == []
