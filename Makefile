@@ -11,7 +11,7 @@ PLUGINS = $(wildcard backends/*/pyproject.toml)
 # setup.py installs the DCPSTORE_DCP_ROUTING start-up hook (.pth) beside the package
 PACKAGING = pyproject.toml setup.py dcpstore-dcp-routing.pth _dcpstore_dcp_routing.py
 
-.PHONY: setup demo test lint typecheck bench bench-quick bench-stall bench-stall-quick clean
+.PHONY: setup demo test lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves clean
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,11 @@ bench-stall: setup
 
 bench-stall-quick: setup
 	$(BIN)/python -m benchmarks.stall --quick --out benchmarks/results/tmp/stall-quick
+
+# The scaling curves (docs/performance.md, "Scaling curves"): world size 1/2/4/8 and
+# state size 1/4/8 GiB, local and SeaweedFS (~25 min on 2 cores).
+bench-curves: setup
+	$(BIN)/python -m benchmarks --curves --out benchmarks/results/curves
 
 lint: setup
 	$(BIN)/ruff check dcpstore backends tests benchmarks

@@ -179,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--render", type=Path, metavar="DIR",
                    help="only rebuild results.md, chart.png and the targets from "
                         "DIR/results.json (no measuring)")
+    p.add_argument("--curves", action="store_true",
+                   help="run the scaling curves instead (benchmarks/curves.py; "
+                        "python -m benchmarks --curves --help lists their options)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     q = 1 if args.quick else 0
@@ -453,6 +456,11 @@ def _job_timeout(state_bytes: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return 0 when every case ran and every load verified."""
+    given = sys.argv[1:] if argv is None else argv
+    if "--curves" in given:
+        from . import curves
+
+        return curves.main([a for a in given if a != "--curves"])
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
