@@ -343,7 +343,7 @@ def _run_points(points: list[Point], args: argparse.Namespace,
                 runner = Runner(
                     stores, pools, RankPool, world_size=world, runs=args.runs,
                     count_requests=False, evict_cache=False,
-                    options=lambda label: options_for(args.options, label),
+                    options=lambda store, label, op: options_for(args.options, label, op),
                     job_timeout=lambda n: max(180.0, n / 2e6),
                     progress=lambda line: print("   " + line, flush=True))
                 for case in runner.run([plan]):
