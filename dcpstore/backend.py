@@ -529,20 +529,6 @@ class Backend(abc.ABC):
 
         def fetch(i: int) -> tuple[int, Any]:
             r = ranges[i]
-            if not r.length:
-                return i, (buffers[i] if buffers is not None else uninitialized_buffer(0))
-            started = gate.acquire()
-            assert started is not None  # a blocking acquire without timeout
-            ok = False
-            try:
-                got = fetch_now(i)
-                ok = True
-            finally:
-                gate.release(started, r.length if ok else 0, ok=ok)
-            return got
-
-        def fetch_now(i: int) -> tuple[int, Any]:
-            r = ranges[i]
             out = buffers[i] if buffers is not None else uninitialized_buffer(r.length)
             if isinstance(out, memoryview):
                 if len(out) != r.length:
@@ -553,7 +539,16 @@ class Backend(abc.ABC):
                 if sum(len(o) for o in out) != r.length:
                     raise ValueError(f"read_ranges: buffers {i} do not add up to {r.length}")
                 outs = out
-            self._call(self._read_into, r.key, r.offset, outs, key=r.key, concurrency=gate)
+            if r.length:
+                started = gate.acquire()
+                assert started is not None  # a blocking acquire without timeout
+                ok = False
+                try:
+                    self._call(self._read_into, r.key, r.offset, outs, key=r.key,
+                               concurrency=gate)
+                    ok = True
+                finally:
+                    gate.release(started, r.length if ok else 0, ok=ok)
             return i, out
 
         if len(ranges) == 1 or self.options.max_concurrency == 1:
