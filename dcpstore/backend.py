@@ -85,7 +85,8 @@ from tenacity import (
 )
 from typing_extensions import Buffer
 
-from .errors import DcpstoreError, InvalidURIError
+from .concurrency import ConcurrencyLimit
+from .errors import DcpstoreError, InvalidURIError, StoreThrottledError
 from .uri import ParsedURI, validate_key
 
 __all__ = [
@@ -159,7 +160,13 @@ class BackendOptions:
     """Options every backend understands. Backends subclass this with their own.
 
     Attributes:
-        max_concurrency: Requests in flight at once per process (reads, upload parts).
+        max_concurrency: Most requests in flight at once per process, for upload parts
+            and for ranged reads each: the ceiling of the adaptive limit and what the
+            memory bound is computed from.
+        adaptive_concurrency: Adapt the requests in flight to what the store sustains,
+            between 1 and ``max_concurrency`` (see :mod:`dcpstore.concurrency`): grow
+            while throughput grows, back off on latency growth and throttling. ``False``:
+            always ``max_concurrency`` in flight (the fixed behaviour).
         part_size: Bytes per upload part / write chunk.
         timeout: Seconds before a single request is abandoned (then retried).
         max_attempts: Attempts per request, the first included.
@@ -168,6 +175,7 @@ class BackendOptions:
     """
 
     max_concurrency: int = 8
+    adaptive_concurrency: bool = True
     part_size: int = 32 * 1024 * 1024
     timeout: float = 60.0
     max_attempts: int = 5
@@ -491,7 +499,9 @@ class Backend(abc.ABC):
     ) -> Iterator[tuple[int, Any]]:
         """Fetch many byte ranges concurrently; yield ``(index, data)`` as each completes.
 
-        At most ``max_concurrency`` ranges are in flight, and at most twice that many
+        At most ``max_concurrency`` ranges are in flight (fewer while the backend's
+        adaptive read limit is lower, see :mod:`dcpstore.concurrency`), and at most twice
+        that many
         completed-but-unconsumed buffers are held, so memory stays bounded however many
         ranges are asked for.
 
@@ -515,6 +525,8 @@ class Backend(abc.ABC):
         ranges: Sequence[ReadRange],
         buffers: Sequence[memoryview | Sequence[memoryview]] | None,
     ) -> Iterator[tuple[int, Any]]:
+        gate = self._concurrency("read")
+
         def fetch(i: int) -> tuple[int, Any]:
             r = ranges[i]
             out = buffers[i] if buffers is not None else uninitialized_buffer(r.length)
@@ -528,7 +540,15 @@ class Backend(abc.ABC):
                     raise ValueError(f"read_ranges: buffers {i} do not add up to {r.length}")
                 outs = out
             if r.length:
-                self._call(self._read_into, r.key, r.offset, outs, key=r.key)
+                started = gate.acquire()
+                assert started is not None  # a blocking acquire without timeout
+                ok = False
+                try:
+                    self._call(self._read_into, r.key, r.offset, outs, key=r.key,
+                               concurrency=gate)
+                    ok = True
+                finally:
+                    gate.release(started, r.length if ok else 0, ok=ok)
             return i, out
 
         if len(ranges) == 1 or self.options.max_concurrency == 1:
@@ -536,12 +556,11 @@ class Backend(abc.ABC):
                 yield fetch(i)
             return
         pool = self._executor()
-        limit = self.options.max_concurrency
         pending: set[Future[tuple[int, Any]]] = set()
         next_index = 0
         try:
             while next_index < len(ranges) or pending:
-                while next_index < len(ranges) and len(pending) < limit:
+                while next_index < len(ranges) and len(pending) < gate.limit:
                     pending.add(pool.submit(fetch, next_index))
                     next_index += 1
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -553,6 +572,26 @@ class Backend(abc.ABC):
             wait(pending)
 
     # -- machinery -------------------------------------------------------------------
+
+    def _concurrency(self, direction: str) -> ConcurrencyLimit:
+        """The limit on requests in flight of ``direction`` (``"upload"``: multipart
+        parts, ``"read"``: ranged reads), shared by the backend's uploads or reads, made
+        on first use (dropped when pickled and by :meth:`close`)."""
+        o = self.options
+        return self._lazy(f"concurrency-{direction}", lambda: ConcurrencyLimit(
+            o.max_concurrency, adaptive=o.adaptive_concurrency,
+            name=f"{self.uri} {direction}"))
+
+    def concurrency_figures(self) -> dict[str, dict[str, Any]]:
+        """What the concurrency limits did since they were made (see
+        :meth:`~dcpstore.concurrency.ConcurrencyLimit.figures`), by direction
+        (``"upload"``, ``"read"``); a direction not used yet is absent."""
+        out: dict[str, dict[str, Any]] = {}
+        for direction in ("upload", "read"):
+            limit = self._resources.get(f"concurrency-{direction}")
+            if limit is not None:
+                out[direction] = limit.figures()
+        return out
 
     def _executor(self) -> ThreadPoolExecutor:
         """Shared worker pool of this backend (created on first use)."""
@@ -579,8 +618,13 @@ class Backend(abc.ABC):
         return Failure(exc, retryable=isinstance(exc, (ConnectionError, TimeoutError)))
 
     def _call(self, fn: Callable[..., T], *args: Any, key: str | None = None,
-              **kwargs: Any) -> T:
-        """Run one request with retries, then raise what its classification says."""
+              concurrency: ConcurrencyLimit | None = None, **kwargs: Any) -> T:
+        """Run one request with retries, then raise what its classification says.
+
+        ``concurrency``: the limit whose slot the request holds; every attempt the store
+        throttled (a :class:`~dcpstore.errors.StoreThrottledError` by the backend's one
+        classification) is reported to it.
+        """
         o = self.options
         last: dict[str, tuple[BaseException, Failure]] = {}  # the retry predicate's
 
@@ -590,6 +634,8 @@ class Backend(abc.ABC):
                 return seen[1]
             failure = self._failure(exc, key) if isinstance(exc, Exception) else Failure(exc)
             last["exc"] = (exc, failure)
+            if concurrency is not None and isinstance(failure.error, StoreThrottledError):
+                concurrency.throttled()
             return failure
 
         def log_retry(state: RetryCallState) -> None:

@@ -46,10 +46,13 @@ class LocalOptions(BackendOptions):
         writeback: With ``fsync``, start the write-back of every this many bytes of a
             data file as it is written (Linux), so the ``fsync`` at commit has little
             left to wait for; 0 leaves all of it to the ``fsync``.
+        adaptive_concurrency: Off by default here: a local disk has no throttling or
+            network latency to adapt to, so reads keep ``max_concurrency`` in flight.
     """
 
     fsync: bool = True
     writeback: int = 16 * 1024 * 1024
+    adaptive_concurrency: bool = False
     max_concurrency: int = 4
     part_size: int = 8 * 1024 * 1024
     max_attempts: int = 1

@@ -4,7 +4,9 @@ Writes are cut into ``part_size`` parts. Each is copied into a preallocated part
 taken from the backend's :class:`PartBuffers` pool; a full buffer is handed to the
 backend's worker pool as one part while the caller keeps serializing into the next one,
 and the worker puts the buffer back once the part's request is over. A backend-wide
-semaphore caps the parts in flight, so the memory of a save is bounded by
+:class:`~dcpstore.concurrency.ConcurrencyLimit` caps the parts in flight: it adapts to
+what the store sustains (see :mod:`dcpstore.concurrency`) and never exceeds
+``max_concurrency``, so the memory of a save is bounded by
 ``part_size x (max_concurrency + uploads being filled)`` (each open upload fills one
 buffer), and the same buffers are reused part after part: no fresh memory (page faults,
 kernel zeroing) per part, no allocator churn. The pool keeps at most
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Buffer
 
 from .backend import ObjectInfo, Upload
+from .concurrency import ConcurrencyLimit
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -114,9 +117,10 @@ class PartBuffers:
 
 
 class MultipartState:
-    """The multipart machinery's state of one backend: the semaphore that caps the parts
-    in flight (``max_concurrency``) and the part-buffer pools, one per size and
-    allocator. Get it with :meth:`of`.
+    """The multipart machinery's state of one backend: the limit on parts in flight (the
+    backend's upload :class:`~dcpstore.concurrency.ConcurrencyLimit`, at most
+    ``max_concurrency``) and the part-buffer pools, one per size and allocator. Get it
+    with :meth:`of`.
 
     Attributes:
         slots: Parts in flight at once, across every upload of the backend.
@@ -125,8 +129,8 @@ class MultipartState:
 
     _KEY = "multipart"
 
-    def __init__(self, max_concurrency: int, keep: int) -> None:
-        self.slots = threading.BoundedSemaphore(max_concurrency)
+    def __init__(self, slots: ConcurrencyLimit, keep: int) -> None:
+        self.slots = slots
         self.pools: dict[tuple[int, Callable[[int], Buffer]], PartBuffers] = {}
         self._keep = keep
         self._lock = threading.Lock()
@@ -135,8 +139,8 @@ class MultipartState:
     def of(cls, backend: Backend) -> MultipartState:
         """The state of ``backend``, made on first use (dropped when the backend is
         pickled and by its ``close()``)."""
-        concurrency = backend.options.max_concurrency
-        return backend._lazy(cls._KEY, lambda: cls(concurrency, concurrency + 2))
+        keep = backend.options.max_concurrency + 2
+        return backend._lazy(cls._KEY, lambda: cls(backend._concurrency("upload"), keep))
 
     @classmethod
     def peek(cls, backend: Backend) -> MultipartState | None:
@@ -309,20 +313,25 @@ class MultipartUpload(Upload):
         buf, pool, n = self._hand_over()
         slots = self._state.slots
         try:
-            slots.acquire()  # blocks while max_concurrency parts are in flight
+            started = slots.acquire()  # blocks while the limit's parts are in flight
         except BaseException:
             pool.release(buf)
             raise
+        assert started is not None  # a blocking acquire without timeout
         try:
-            fut = self.backend._executor().submit(self._run_part, number, buf, pool, n)
+            fut = self.backend._executor().submit(self._run_part, number, buf, pool, n,
+                                                  started)
         except BaseException:
             pool.release(buf)
-            slots.release()
+            slots.release(started, ok=False)
             raise
-        fut.add_done_callback(lambda f: self._on_part_done(f, buf, pool))
+        fut.add_done_callback(lambda f: self._on_part_done(f, buf, pool, started))
         self._futures.append(fut)
 
-    def _run_part(self, number: int, buf: Buffer, pool: PartBuffers, n: int) -> None:
+    def _run_part(self, number: int, buf: Buffer, pool: PartBuffers, n: int,
+                  started: float) -> None:
+        slots = self._state.slots
+        ok = False
         try:
             if self._error is not None:
                 return
@@ -330,9 +339,10 @@ class MultipartUpload(Upload):
             view = memoryview(buf).cast("B")
             data = view if n == len(view) else view[:n]
             tag = self.backend._call(self._upload_part, self.upload_id, number, data,
-                                     key=self.key)
+                                     key=self.key, concurrency=slots)
             with self._lock:
                 self._parts[number] = tag
+            ok = True
         except BaseException as exc:
             with self._lock:
                 if self._error is None:
@@ -344,15 +354,16 @@ class MultipartUpload(Upload):
             try:
                 pool.release(buf)
             finally:
-                self._state.slots.release()
+                slots.release(started, n if ok else 0, ok=ok)
 
-    def _on_part_done(self, fut: Future[None], buf: Buffer, pool: PartBuffers) -> None:
+    def _on_part_done(self, fut: Future[None], buf: Buffer, pool: PartBuffers,
+                      started: float) -> None:
         """A part cancelled before it ran never reached :meth:`_run_part`'s cleanup."""
         if fut.cancelled():
             try:
                 pool.release(buf)
             finally:
-                self._state.slots.release()
+                self._state.slots.release(started, ok=False)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

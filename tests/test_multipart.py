@@ -178,7 +178,7 @@ def test_multipart_abort_releases_every_buffer_and_slot() -> None:
     upload.abort()  # waits for the parts in flight, then aborts the upload
     assert backend.aborted == ["up1"] and "aborted" not in backend.objects
     assert pool.outstanding == 0 and pool.free == 3
-    assert MultipartState.of(backend).slots._value == 2
+    assert MultipartState.of(backend).slots.in_flight == 0
     upload.abort()  # twice is fine
     assert pool.outstanding == 0
 
@@ -197,7 +197,7 @@ def test_multipart_parts_cancelled_before_they_ran_give_their_buffers_back() -> 
         fut.result()
     assert backend.part_objects == []  # never ran
     assert pool.outstanding == 0 and pool.free == 2
-    assert MultipartState.of(backend).slots._value == 2
+    assert MultipartState.of(backend).slots.in_flight == 0
     upload = backend.open_upload("after")  # the slots are all there: no deadlock
     upload.write(bytes(5 * 1000 + 1))
     upload.commit()

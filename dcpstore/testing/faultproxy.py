@@ -31,6 +31,12 @@ valid) except those the :class:`FaultPlan` picks, which get one of these faults:
     (:attr:`FaultPlan.stall`) Matching requests are accepted and never answered, until
     the client gives up or :meth:`FaultProxy.stop`.
 
+Besides faults, the proxy can stand in for a store that serves only so many requests at
+once (``max_in_flight``): the requests beyond it wait for a free slot (``over_limit=
+"queue"``, a server with that many workers) or are answered ``503 SlowDown`` (``"503"``,
+a store that throttles). :attr:`ProxyStats.peak_in_flight` counts the most requests a
+client had open at once either way.
+
 The proxy is a small thread-per-connection design on the standard library only. Bodies
 are streamed in both directions (``Content-Length`` or chunked, never buffered whole),
 connections are kept alive on both sides, and ``Expect: 100-continue`` is answered by
@@ -159,6 +165,9 @@ class ProxyStats:
         bytes_up: Request body bytes received from clients.
         bytes_down: Response body bytes sent to clients.
         log: Every injected fault, in order.
+        peak_in_flight: Most requests open at once (read, not yet answered).
+        throttled: Requests answered ``503 SlowDown`` for exceeding ``max_in_flight``
+            (not counted in :attr:`faults`).
     """
 
     requests: Counter[str] = field(default_factory=Counter)
@@ -166,6 +175,8 @@ class ProxyStats:
     bytes_up: int = 0
     bytes_down: int = 0
     log: list[FaultRecord] = field(default_factory=list)
+    peak_in_flight: int = 0
+    throttled: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -476,16 +487,28 @@ class FaultProxy:
         plan: Which faults to inject (default: none). Replace it at any time by
             assigning :attr:`plan`.
         seed: Seed of the fault decisions.
+        max_in_flight: Requests served at once (``None``: no limit); see ``over_limit``.
+        over_limit: What a request beyond ``max_in_flight`` gets: ``"queue"`` (it waits
+            for a free slot) or ``"503"`` (a ``SlowDown`` / GCS 503 answer, counted in
+            :attr:`ProxyStats.throttled`).
 
     Attributes:
         stats: What went through (see :class:`ProxyStats`).
     """
 
-    def __init__(self, upstream_url: str, plan: FaultPlan | None = None, *, seed: int = 0
-                 ) -> None:
+    def __init__(self, upstream_url: str, plan: FaultPlan | None = None, *, seed: int = 0,
+                 max_in_flight: int | None = None, over_limit: str = "queue") -> None:
         parts = urlsplit(upstream_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"upstream_url must be an http:// URL, got {upstream_url!r}")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if over_limit not in ("queue", "503"):
+            raise ValueError(f"over_limit must be 'queue' or '503', got {over_limit!r}")
+        self.max_in_flight = max_in_flight
+        self.over_limit = over_limit
+        self._in_flight = 0
+        self._slots = threading.Semaphore(max_in_flight) if max_in_flight else None
         self.upstream_url = upstream_url
         self._upstream = (parts.hostname, parts.port or 80)
         self._plan = plan if plan is not None else FaultPlan()
@@ -527,7 +550,7 @@ class FaultProxy:
         with self._lock:
             st = self.stats
             return ProxyStats(Counter(st.requests), Counter(st.faults), st.bytes_up,
-                              st.bytes_down, list(st.log))
+                              st.bytes_down, list(st.log), st.peak_in_flight, st.throttled)
 
     def reset_stats(self) -> None:
         """Zero :attr:`stats` (in place)."""
@@ -537,6 +560,8 @@ class FaultProxy:
             self.stats.bytes_up = 0
             self.stats.bytes_down = 0
             self.stats.log.clear()
+            self.stats.peak_in_flight = self._in_flight
+            self.stats.throttled = 0
 
     def start(self) -> FaultProxy:
         """Bind and start accepting connections."""
@@ -690,12 +715,37 @@ class FaultProxy:
                     name = json.loads(b'"' + match.group(1) + b'"')
         info = RequestInfo(method, path, query, classify(method, path, query), name)
         fault, u, v, delay = self._decide(info)
+        with self._lock:
+            self._in_flight += 1
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self._in_flight)
+            over = (self.max_in_flight is not None and self.over_limit == "503"
+                    and self._in_flight > self.max_in_flight)
+            if over:
+                self.stats.throttled += 1
+        slot = self._slots if fault is None and not over else None
         try:
-            if fault is None:
-                return self._forward(req, info, body, go_on, client, upstream)
-            return self._inject(fault, u, v, delay, req, info, body, go_on, client,
-                                upstream)
+            if over:
+                go_on()
+                body.drain()
+                self._count_up(body)
+                client.sendall(self._error_response(503, info, head_only=method == "HEAD",
+                                                    close=req.wants_close()))
+                return not req.wants_close()
+            while slot is not None and not slot.acquire(timeout=0.2):  # a store with
+                if self._stopping.is_set():  # max_in_flight workers (over_limit="queue")
+                    slot = None
+                    raise _Abort()
+            try:
+                if fault is None:
+                    return self._forward(req, info, body, go_on, client, upstream)
+                return self._inject(fault, u, v, delay, req, info, body, go_on, client,
+                                    upstream)
+            finally:
+                if slot is not None:
+                    slot.release()
         finally:
+            with self._lock:
+                self._in_flight -= 1
             self._count_up(body)
 
     def _count_up(self, body: _Body) -> None:
