@@ -30,7 +30,7 @@ import mmap
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import Buffer
 
@@ -176,6 +176,13 @@ class MultipartUpload(Upload):
     whole objects send it without a copy.
     """
 
+    #: Part-size growth, ``(after part, factor)`` pairs: a part numbered above ``after``
+    #: is ``factor`` x ``part_size`` (the largest such factor applies; none: one fixed
+    #: size). A store with a part-count limit (S3: 10,000, GCS: 1,024 components) can
+    #: then take a small first part size, which keeps small objects' uploads pipelined,
+    #: and still store large objects.
+    part_growth: ClassVar[tuple[tuple[int, int], ...]] = ()
+
     def __init__(self, backend: Backend, key: str, part_size: int | None = None) -> None:
         self.backend = backend
         self.key = key
@@ -283,13 +290,18 @@ class MultipartUpload(Upload):
     # -- machinery ---------------------------------------------------------------------
 
     def _take_buffer(self) -> memoryview:
-        """Start filling a pooled buffer of the current ``part_size``."""
-        pool = self._state.buffers(self.part_size, type(self)._allocate_buffer)
+        """Start filling a pooled buffer of the next part's size."""
+        pool = self._state.buffers(self.part_bytes(self._next_part), type(self)._allocate_buffer)
         buf = pool.acquire()
         self._buffer, self._buffer_pool = buf, pool
         self._view = memoryview(buf).cast("B")
         self._fill = 0
         return self._view
+
+    def part_bytes(self, number: int) -> int:
+        """The size of part ``number`` (1-based; the last part may be shorter)."""
+        factor = max((f for after, f in self.part_growth if number > after), default=1)
+        return self.part_size * factor
 
     def _hand_over(self) -> tuple[Buffer, PartBuffers, int]:
         """Take the buffer being filled (and its pool and fill level) off this upload."""

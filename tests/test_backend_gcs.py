@@ -161,7 +161,7 @@ def test_parts_grow_after_512(backend: GCSBackend) -> None:
     up.upload_id = "feedfacefeedface"
     up.write(b"z")
     up._submit_part()
-    assert up.part_size == 2 * PART
+    assert up.part_bytes(up._next_part) == 2 * PART
     up._drain()
     up.abort()
     assert backend.list_uploads() == []

@@ -126,6 +126,32 @@ def test_multipart_reuses_part_buffers_and_keeps_bytes_in_order() -> None:
     assert backend.objects["again"] == data[:5000] and pool.allocated <= 4
 
 
+class _GrowingMultipart(_MemoryMultipart):
+    part_growth = ((3, 2), (6, 4))
+
+
+def test_multipart_part_size_grows_every_step_up_to_its_cap(monkeypatch: Any) -> None:
+    backend = _memory_backend()
+    monkeypatch.setattr(backend, "_open_upload", lambda key: _GrowingMultipart(backend, key))
+    data = secrets.token_bytes(3 * 1000 + 3 * 2000 + 5 * 4000 + 10)
+    upload = backend.open_upload("grown")
+    _odd_writes(upload, data)
+    upload.commit()
+    assert backend.objects["grown"] == data
+    sizes = [len(o) for o in backend.part_objects]
+    # 3 parts of part_size, 3 of twice it, then 4x (the cap), the last one short
+    assert sizes == [1000] * 3 + [2000] * 3 + [4000] * 6
+    assert [upload.part_bytes(n) for n in (1, 3, 4, 7, 100)] == [1000, 1000, 2000, 4000, 4000]
+
+
+def test_s3_largest_object_is_what_the_part_growth_admits() -> None:
+    from dcpstore_s3.options import largest_object
+
+    mib = 1 << 20
+    assert largest_object(8 * mib) == 8 * mib * (1000 + 2 * 1000 + 4 * 8000)
+    assert largest_object(8 * mib) > 256 * (1 << 30)  # the fixed 8 MiB allowed 78 GiB
+
+
 def test_multipart_concurrent_uploads_share_the_pool() -> None:
     backend = _memory_backend()
     datas = [secrets.token_bytes(50 * 1000 + i) for i in range(4)]

@@ -207,10 +207,10 @@ class _CompositeUpload(MultipartUpload):
     """Parallel composite upload: parts as temporary objects, then ``compose``."""
 
     backend: GCSBackend
+    part_growth = _GROWTH
 
     def __init__(self, backend: GCSBackend, key: str) -> None:
         super().__init__(backend, key)
-        self._base_part_size = self.part_size
         self._crc = 0
 
     def write(self, data: Buffer) -> int:
@@ -224,13 +224,9 @@ class _CompositeUpload(MultipartUpload):
             raise ValueError(
                 f"gs://{self.backend.bucket}/{self.backend._name(self.key)} needs more than "
                 f"{MAX_COMPONENTS} parts, the most a GCS composite object can have; raise "
-                f"part_size (now {self._base_part_size}) or files_per_rank"
+                f"part_size (now {self.part_size}) or files_per_rank"
             )
         super()._submit_part()
-        for after, factor in _GROWTH:
-            if self._next_part > after:
-                self.part_size = self._base_part_size * factor
-                break
 
     def _part_name(self, upload_id: str, tag: str) -> str:
         return self.backend._name(f"{UPLOADS_PREFIX}{upload_id}/{tag}/{self.key}")

@@ -56,7 +56,14 @@ from dcpstore.redact import install_log_redaction
 from . import _zerocopy
 from .errors import classify, error_info, is_not_found, redact_url
 from .keys import KeyLayout
-from .options import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Options
+from .options import (
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MIN_PART_SIZE,
+    PART_GROWTH,
+    S3Options,
+    largest_object,
+)
 
 __all__ = [
     "MAX_PARTS",
@@ -76,9 +83,17 @@ _DELETE_BATCH = 1000
 
 
 class S3MultipartUpload(MultipartUpload):
-    """A streaming S3 multipart upload (parts uploaded concurrently by the backend)."""
+    """A streaming S3 multipart upload (parts uploaded concurrently by the backend).
+
+    Parts start at ``part_size`` and double after every 1,000 parts up to 4x (and 5 GiB),
+    so the small default part keeps small objects' uploads pipelined while S3's
+    10,000-part limit still admits ``largest_object(part_size)`` bytes."""
 
     backend: S3Backend
+    part_growth = PART_GROWTH
+
+    def part_bytes(self, number: int) -> int:
+        return min(MAX_PART_SIZE, super().part_bytes(number))
 
     def __init__(self, backend: S3Backend, key: str) -> None:
         super().__init__(backend, key)
@@ -98,8 +113,8 @@ class S3MultipartUpload(MultipartUpload):
             raise OSError(
                 errno.EFBIG,
                 f"s3://{self.backend.bucket}/{self.physical_key}: more than {MAX_PARTS} "
-                f"parts of {self.part_size} bytes; raise part_size (largest object: "
-                "part_size x 10,000)",
+                f"parts; with part_size={self.part_size} the largest object is "
+                f"{largest_object(self.part_size)} bytes: raise part_size",
             )
         response = self.backend._request(
             "upload_part", Bucket=self.backend.bucket, Key=self.physical_key,

@@ -12,8 +12,10 @@ __all__ = [
     "MAX_PARTS",
     "MAX_PART_SIZE",
     "MIN_PART_SIZE",
+    "PART_GROWTH",
     "PREFIX_STRATEGIES",
     "S3Options",
+    "largest_object",
 ]
 
 MiB = 1024 * 1024
@@ -23,6 +25,18 @@ MIN_PART_SIZE = 5 * MiB
 MAX_PART_SIZE = 5 * 1024 * MiB
 #: S3's limit of parts per multipart upload.
 MAX_PARTS = 10_000
+#: Part-size growth of a multipart upload, ``(after part, factor)``: ``part_size`` for
+#: parts 1-1,000, twice it up to part 2,000, then 4x (see ``MultipartUpload.part_growth``).
+PART_GROWTH = ((1_000, 2), (2_000, 4))
+
+
+def largest_object(part_size: int) -> int:
+    """The largest object a multipart upload starting at ``part_size`` can store."""
+    def part(number: int) -> int:
+        factor = max((f for after, f in PART_GROWTH if number > after), default=1)
+        return min(MAX_PART_SIZE, part_size * factor)
+
+    return sum(part(n) for n in range(1, MAX_PARTS + 1))
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 PREFIX_STRATEGIES = ("none", "hash")
@@ -63,12 +77,18 @@ class S3Options(BackendOptions):
             is abandoned and retried.
         max_attempts: Attempts per request, the first included (dcpstore retries with
             exponential backoff and jitter; botocore's own retries are off).
-        part_size: Bytes per multipart-upload part (5 MiB .. 5 GiB). Objects smaller
-            than one part are a single ``PutObject``. Largest object: part_size x 10,000.
+        part_size: Bytes per multipart-upload part (5 MiB .. 5 GiB) for the first 1,000
+            parts of an object; the part size then doubles every 1,000 parts up to 4x
+            (S3 allows 10,000 parts: the largest object is 35,000 x part_size, 273 GiB
+            at the default 8 MiB). Objects smaller than one part are a single
+            ``PutObject``. Small parts keep an upload pipelined (the first part goes out
+            while the next is filled, and the last one is short): 8 MiB was as fast as
+            32 MiB on SeaweedFS and about 1.5x faster on moto.
         max_concurrency: Requests in flight at once per process: upload parts and
             ranged reads. Memory bound of a save: about ``part_size x
             (max_concurrency + files_per_rank)`` (parts in flight plus the part each
-            open upload is filling); up to ``max_concurrency + 2`` part buffers are kept
+            open upload is filling; up to 4x that for objects over 1,000 parts, 7.8 GiB
+            at the default part size); up to ``max_concurrency + 2`` part buffers are kept
             for reuse until the backend is closed (``dcpstore.save`` closes it).
     """
 
@@ -82,7 +102,7 @@ class S3Options(BackendOptions):
     connect_timeout: float = 10.0
     timeout: float = 60.0
     max_attempts: int = 6
-    part_size: int = 32 * MiB
+    part_size: int = 8 * MiB
     max_concurrency: int = 8
 
     def validate(self) -> None:
