@@ -306,6 +306,10 @@ class Dcpstore(DCPSystem):
         counts = getattr(obj.backend, "request_counts", None)
         if counts:
             figures["backend_requests"] = dict(counts)
+        # what the adaptive concurrency limits settled on (dcpstore.concurrency)
+        limits = obj.backend.concurrency_figures()
+        if limits:
+            figures["concurrency"] = limits
         return figures
 
     def save_figures(self, writer: Any) -> dict[str, Any]:
