@@ -473,7 +473,7 @@ def _four_quick_saves(ckpt: dcpstore.Checkpointer, remote: Path, state: Any) -> 
     ckpt.wait()
 
 
-@pytest.mark.parametrize("mode", [None, "thread"])
+@pytest.mark.parametrize("mode", [None, "thread", "process"])
 def test_slow_drains_coalesce_latest_wins(mode: str | None, tmp_path: Path) -> None:
     dcpstore.register_backend("slowremote", _SlowRemote, clobber=True)
     _SlowRemote.reset()
