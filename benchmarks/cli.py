@@ -99,6 +99,14 @@ _BACKEND_SCOPES = {"file": "dcpstore-local", "local": "dcpstore-local", "s3": "d
 _PEER_SCOPES = {"multistorageclient": "msc"}
 
 
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]]) -> None:
+    """Set each option left unset to its ``(full, quick)`` default, and ``args.mode``."""
+    for name, pair in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, pair[1 if args.quick else 0])
+    args.mode = "quick" if args.quick else "full"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line (quick/full defaults filled in)."""
     p = argparse.ArgumentParser(
@@ -184,11 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "python -m benchmarks --curves --help lists their options)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
-    q = 1 if args.quick else 0
-    for name, pair in _DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, pair[q])
-    args.mode = "quick" if args.quick else "full"
+    fill_defaults(args, _DEFAULTS)
     if args.world_size < 1 or args.runs < 1 or args.tune_runs < 1:
         p.error("--world-size, --runs and --tune-runs must be >= 1")
     if args.order_seed is None:

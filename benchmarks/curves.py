@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report, systems
-from .cli import REPO, machine_info, options_for, versions
+from .cli import REPO, fill_defaults, machine_info, options_for, versions
 from .ranks import RankPool
 from .runner import Runner, StorePlan
 from .servers import STORE_KINDS, Stores
@@ -144,11 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only rebuild results.md and the charts from DIR/results.json")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
-    q = 1 if args.quick else 0
-    for name, pair in _DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, pair[q])
-    args.mode = "quick" if args.quick else "full"
+    fill_defaults(args, _DEFAULTS)
     if args.runs < 1 or args.size_world < 1 or any(w < 1 for w in args.worlds):
         p.error("--runs, --size-world and --worlds must be >= 1")
     try:
