@@ -67,23 +67,37 @@ _DEFAULTS = {
     # shows), about 2.5 min of a full run; 1 (one rank reads every file) is left to
     # --reshard 1 3, to keep the full run under 20 min
     "reshard": ([3], [1]),
-    # 64 MiB x 8: the baseline's configuration; 32 MiB x 8: the S3 backend's defaults;
-    # 16 MiB x 16: more in flight (boto3's client, threads); then boto3's managed
-    # transfer and the CRT client (see benchmarks/limits.py)
-    "limit_s3": (["64MiBx8", "32MiBx8", "16MiBx16", "transfer-32MiBx8", "crt-32MiBx8"],
-                 ["64MiBx8"]),
+    # the variants that were the fastest of all (_ALL_LIMITS) for some store and
+    # operation in the full run at b067da1 (benchmarks/results/latest): boto3's client,
+    # one multipart object, 64 MiB x 8 (SeaweedFS save, moto load) and 16 MiB x 16 (moto
+    # save), and many single-PUT objects (faster than every other variant on moto, where
+    # dcpstore with many files beat the old limit). 32 MiB x 8 was within 3% of 64 MiB x 8
+    # where it led; the managed transfer and the CRT client never led
+    "limit_s3": (["64MiBx8", "16MiBx16", "objects-16MiBx8"], ["64MiBx8", "objects-8MiBx4"]),
     "limit_gcs": (["32MiBx8", "16MiBx16"], ["32MiBx8"]),
     # the tuning phase: runs per grid point, the state size (at most the store's), and
     # the grid's values where they differ from the systems' (threads 1/4/8, parts 8/32 MiB)
-    "tune_runs": (2, 1),
+    "tune_runs": (1, 1),
+    # then per peer the 2 fastest saves and readers run once more (quick: the one point)
+    "tune_confirm": (2, 1),
     # quick: tune on one store only, enough to run the tuning and [best] paths end to end
     "tune_stores": (list(STORE_KINDS), ["seaweedfs"]),
     "tune_size": ("256MiB", "16MiB"),
     # quick: one point per peer, enough to run the tuning and [best] paths end to end
     "grid": ([], ["thread_count=4", "part_size=32MiB"]),
-    # dd: write, then fsync (the old limit); wb: parallel writes with write-back started
-    # as they go; direct: O_DIRECT (see benchmarks/limits.py)
-    "limit_local": (["dd", "wb16MiBx2", "direct16MiBx4"], ["wb16MiBx2"]),
+    # wb: parallel writes with write-back started as they go (the fastest load);
+    # direct: O_DIRECT (the fastest save); dd (write, then fsync) never led
+    "limit_local": (["wb16MiBx2", "direct16MiBx4"], ["wb16MiBx2"]),
+    # bytes written to SeaweedFS before it is replaced by a fresh server (quick: small,
+    # so that the smoke run replaces it too)
+    "server_budget": ("32GiB", "512MiB"),
+}
+#: Every limit variant (``--all-limits``): the defaults plus those that never led.
+_ALL_LIMITS = {
+    "limit_s3": ["64MiBx8", "32MiBx8", "16MiBx16", "objects-16MiBx8", "objects-32MiBx8",
+                 "objects-8MiBx16", "transfer-32MiBx8", "crt-32MiBx8"],
+    "limit_gcs": ["32MiBx8", "16MiBx16"],
+    "limit_local": ["dd", "wb16MiBx2", "direct16MiBx4"],
 }
 #: Stores the reshard loads run on by default.
 _RESHARD_STORES = ["local", "seaweedfs"]
@@ -93,6 +107,11 @@ _ASSUMED_MBPS = {"local": (2300, 5600), "seaweedfs": (180, 600), "moto": (160, 3
                  "gcs": (170, 900)}
 #: Seconds per job beyond its timed part (that run: 0.17)
 _JOB_OVERHEAD_S = 0.2
+#: Measured / modelled duration per store of the full run at b067da1, whose config
+#: :func:`estimate_seconds` gives 17.3 min (local, seaweedfs, gcs at 2 ranks; it took
+#: 20.9, with ~1 min of SeaweedFS errors) and 5.1 min (moto, 1 rank, 256 MiB; it took
+#: 7.7): what the model leaves out (set-up, deletes, verification, the proxy).
+_CALIBRATION = {"local": 1.21, "seaweedfs": 1.21, "gcs": 1.21, "moto": 1.5}
 _BACKEND_SCOPES = {"file": "dcpstore-local", "local": "dcpstore-local", "s3": "dcpstore-s3",
                    "gs": "dcpstore-gcs", "gcs": "dcpstore-gcs", "msc": "dcpstore-msc"}
 #: Scopes naming a peer whose own name is taken by a dcpstore backend scope ("msc").
@@ -100,7 +119,12 @@ _PEER_SCOPES = {"multistorageclient": "msc"}
 
 
 def fill_defaults(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]]) -> None:
-    """Set each option left unset to its ``(full, quick)`` default, and ``args.mode``."""
+    """Set each option left unset to its ``(full, quick)`` default, and ``args.mode``
+    (``--all-limits``: every limit variant not given explicitly)."""
+    if getattr(args, "all_limits", False):
+        for name, variants in _ALL_LIMITS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, list(variants))
     for name, pair in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, pair[1 if args.quick else 0])
@@ -115,10 +139,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "the raw limit, against local stores on 127.0.0.1.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Full-mode defaults: --size 1GiB --moto-size 128MiB --gcs-size 256MiB "
-               "--runs 6 --tensors 32 --reshard 3 --tune-runs 2 --tune-size 256MiB.\n"
+               "--runs 6 --tensors 32 --reshard 3 --tune-runs 1 --tune-confirm 2 "
+               "--tune-size 256MiB --server-budget 32GiB --limit-s3 64MiBx8 16MiBx16 "
+               "objects-16MiBx8 --limit-local wb16MiBx2 direct16MiBx4.\n"
                "Quick-mode defaults: --size 32MiB --moto-size 16MiB --gcs-size 16MiB "
-               "--runs 2 --tensors 16 --reshard 1 --tune-runs 1 --tune-size 16MiB "
-               "--tune-stores seaweedfs --grid thread_count=4 part_size=32MiB.")
+               "--runs 2 --tensors 16 --reshard 1 --tune-runs 1 --tune-confirm 1 "
+               "--tune-size 16MiB --tune-stores seaweedfs --grid thread_count=4 "
+               "part_size=32MiB --server-budget 512MiB --limit-s3 64MiBx8 objects-8MiBx4 "
+               "--limit-local wb16MiBx2.\n"
+               "The limit is the fastest of the variants run, per store and operation; "
+               "--all-limits runs every variant (also dd, 32MiBx8, more objects "
+               "variants, the managed transfer and the CRT client), to check that the "
+               "defaults still hold the fastest.\n"
+               "Duration: printed first (estimate_seconds, calibrated on a full run); "
+               "`make bench` (this at 2 ranks on local, seaweedfs and gcs, then moto at "
+               "1 rank and 256 MiB) is ~25 min on 2 cores at --size 1GiB and ~17.5 at "
+               "512MiB (make bench BENCH_SIZE=512MiB); results.json records each "
+               "phase's and each job's wall time.")
     p.add_argument("--quick", action="store_true",
                    help="small state, two runs, a small grid, one variant per limit "
                         "(< 2 min; CI smoke)")
@@ -134,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tune each peer over its grid first and also run it at its best "
                         "(default: on)")
     p.add_argument("--tune-runs", type=int, help="runs per grid point in the tuning phase")
+    p.add_argument("--tune-confirm", type=int, metavar="N",
+                   help="then one more run of each peer's N fastest saves and N fastest "
+                        "readers (0: none)")
     p.add_argument("--tune-stores", nargs="+", choices=list(STORE_KINDS),
                    help="stores with a tuning phase (default: all; quick: seaweedfs)")
     p.add_argument("--tune-size", help="state size of the tuning phase (at most each "
@@ -156,14 +196,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=_RESHARD_STORES, help="stores with reshard loads "
                    f"(default: {' '.join(_RESHARD_STORES)})")
     p.add_argument("--limit-s3", nargs="+", metavar="[CLIENT-]PARTxN",
-                   help="raw S3 limit variants, client (client, transfer, crt) - part "
-                        "size x requests in flight (default 64MiBx8 32MiBx8 16MiBx16 "
-                        "transfer-32MiBx8 crt-32MiBx8; the fastest is the limit)")
+                   help="raw S3 limit variants, client (client: one multipart object; "
+                        "objects: many single-PUT objects of part size; transfer; crt) - "
+                        "part size x requests in flight (default 64MiBx8 16MiBx16 "
+                        "objects-16MiBx8; the fastest is the limit)")
     p.add_argument("--limit-gcs", nargs="+", metavar="PARTxN",
                    help="raw GCS limit variants (default 32MiBx8 16MiBx16)")
     p.add_argument("--limit-local", nargs="+", metavar="VARIANT",
                    help="local limit variants: dd, wbCHUNKxTHREADS, directCHUNKxTHREADS "
-                        "(default dd wb16MiBx2 direct16MiBx4)")
+                        "(default wb16MiBx2 direct16MiBx4)")
+    p.add_argument("--all-limits", action="store_true",
+                   help="run every limit variant of every store (the --limit-* not "
+                        "given): " + "; ".join(f"{k[6:]}: {' '.join(v)}"
+                                               for k, v in _ALL_LIMITS.items()))
+    p.add_argument("--server-budget", metavar="SIZE",
+                   help="bytes written to SeaweedFS before it is replaced by a fresh, "
+                        "empty server between two cases (it reclaims deleted objects' "
+                        "space lazily; default 32GiB, quick 512MiB)")
     p.add_argument("--opt", action="append", default=[], metavar="[SCOPE.]KEY=VALUE",
                    help="option for a system: SCOPE is a system name (torch-fsspec-s3."
                         "thread_count=4, s3torchconnector.part_size=32MiB; the msc peer: "
@@ -171,7 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(s3.part_size=64MiB, file., gcs., msc.) or 'dcpstore' (every "
                         "dcpstore system; also the default scope). Repeatable.")
     p.add_argument("--count-requests", action=argparse.BooleanOptionalAction, default=True,
-                   help="one extra untimed run per system through a counting proxy "
+                   help="one extra untimed run per system (not the limits) through a "
+                        "counting proxy "
                         "(default: on)")
     p.add_argument("--evict-cache", action="store_true",
                    help="cold loads: drop the page cache of the local checkpoint and of "
@@ -193,8 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     fill_defaults(args, _DEFAULTS)
-    if args.world_size < 1 or args.runs < 1 or args.tune_runs < 1:
-        p.error("--world-size, --runs and --tune-runs must be >= 1")
+    if args.world_size < 1 or args.runs < 1 or args.tune_runs < 1 or args.tune_confirm < 0:
+        p.error("--world-size, --runs and --tune-runs must be >= 1, --tune-confirm >= 0")
     if args.order_seed is None:
         args.order_seed = int.from_bytes(os.urandom(4), "little")
     args.reshard = sorted({m for m in args.reshard if m != args.world_size})
@@ -205,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "moto": parse_size(args.moto_size), "gcs": parse_size(args.gcs_size)}
         args.options = _parse_opts(args.opt)
         args.tune_bytes = parse_size(args.tune_size)
+        args.server_budget_bytes = parse_size(args.server_budget)
         args.grid_values = tuning.parse_grid(args.grid)
         for name in ("s3", "gcs", "local"):
             for v in getattr(args, f"limit_{name}"):
@@ -313,6 +364,20 @@ def tune_plans(plans: list[StorePlan], args: argparse.Namespace) -> list[StorePl
     return out
 
 
+def confirm_plans(tplans: list[StorePlan], cases: list[dict[str, Any]], count: int
+                  ) -> list[StorePlan]:
+    """The tuning's second round: per store, each peer's leading grid points
+    (:func:`benchmarks.tuning.leaders`) on the same state, to run once more."""
+    out = []
+    for tp in tplans:
+        mine = [c for c in cases if c["store"] == tp.name]
+        names = dict.fromkeys(systems.split_variant(x)[0] for x in tp.systems)
+        labels = [label for n in names for label in tuning.leaders(n, mine, count)]
+        if labels:
+            out.append(StorePlan(tp.name, tp.workload, labels))
+    return out
+
+
 def apply_tuning(plans: list[StorePlan], tuned: dict[str, dict[str, Any]]) -> None:
     """Add ``<peer>[best]`` after each tuned peer whose best is not its defaults; the
     peer's defaults then run without reshard loads and counting run (the peer is judged
@@ -335,10 +400,12 @@ def _grid_size(label: str, args: argparse.Namespace) -> int:
 
 
 def estimate_seconds(plans: list[StorePlan], args: argparse.Namespace) -> float:
-    """A rough duration of the run on a 2-core machine (printed before it starts),
-    assuming every tuned peer also runs as ``<peer>[best]``."""
+    """A rough duration of the run on a quiet 2-core machine (printed before it starts),
+    assuming every tuned peer also runs as ``<peer>[best]``; calibrated on a full run
+    (:data:`_CALIBRATION`)."""
     total = 30.0  # servers and ranks starting
     for plan in plans:
+        before = total
         save_mbps, load_mbps = _ASSUMED_MBPS[plan.name]
         mb = plan.workload.state_bytes / 1e6
         tune_mb = min(args.tune_bytes, plan.workload.state_bytes // 4) / 1e6
@@ -351,12 +418,15 @@ def estimate_seconds(plans: list[StorePlan], args: argparse.Namespace) -> float:
             one = (mb / save_mbps + mb / load_mbps + 2 * _JOB_OVERHEAD_S)
             re = reshard * (2 * mb / load_mbps + _JOB_OVERHEAD_S)  # at [best] only
             total += args.runs * (copies * one + re)
-            total += args.tune_runs * points * (tune_mb / save_mbps + tune_mb / load_mbps
-                                                + 2 * _JOB_OVERHEAD_S)
-            if args.count_requests and plan.kind != "local":
-                # through the proxy (about as fast as a timed run there); a peer's
-                # defaults are not counted when its [best] runs
+            # the second round: at most the 2 x --tune-confirm leaders per peer
+            tune_jobs = args.tune_runs * points + min(points, 2 * args.tune_confirm)
+            total += tune_jobs * (tune_mb / save_mbps + tune_mb / load_mbps
+                                  + 2 * _JOB_OVERHEAD_S)
+            if args.count_requests and plan.kind != "local" and not system.is_limit:
+                # through the proxy (about as fast as a timed run there); neither the
+                # limits nor a peer's defaults when its [best] runs are counted
                 total += one + re
+        total = before + (total - before) * _CALIBRATION.get(plan.name, 1.0)
     return total
 
 
@@ -494,14 +564,18 @@ def main(argv: list[str] | None = None) -> int:
         for label, reason in plan.skipped.items():
             print(f"  {plan.name:<9} SKIP {label}: {reason}")
     for plan in tplans:
-        print(f"  {plan.name:<9} tuning, {plan.workload.describe()}, {args.tune_runs} run(s): "
-              f"{len(plan.systems)} grid points")
+        print(f"  {plan.name:<9} tuning, {plan.workload.describe()}, {args.tune_runs} run(s) "
+              f"of {len(plan.systems)} grid points, then one more of each peer's "
+              f"{args.tune_confirm} fastest saves and readers")
     print(f"  estimated duration: ~{estimate_seconds(plans, args) / 60:.1f} min "
           "(2-core machine; rough)")
     sys.stdout.flush()
     args.out.mkdir(parents=True, exist_ok=True)
 
     tuned: dict[str, dict[str, Any]] = {}
+    #: wall seconds of each phase (start-up, tuning, confirmation, the runs per store)
+    phases: dict[str, Any] = {}
+    replacements: list[dict[str, Any]] = []
     grid_values = args.grid_values
     msc_parts = sorted({int(v) for k, vals in
                         [*systems.get("msc").grid.items(), *grid_values.items()]
@@ -514,19 +588,36 @@ def main(argv: list[str] | None = None) -> int:
         for size in sorted({args.world_size, *(m for p in plans for m in p.reshard)}):
             pools[size] = RankPool(size)
         with Stores([p.name for p in plans], args.out, local_dir=args.local_dir,
-                    count_requests=args.count_requests,
-                    msc_part_sizes=tuple(msc_parts)) as stores:
+                    count_requests=args.count_requests, msc_part_sizes=tuple(msc_parts),
+                    budgets={"seaweedfs": args.server_budget_bytes}) as stores:
             def progress(line: str) -> None:
                 print(line, flush=True)
 
+            phases["start"] = time.time() - started
             if tplans:
-                tuner = Runner(
-                    stores, pools, RankPool, world_size=args.world_size,
-                    runs=args.tune_runs, count_requests=False, evict_cache=args.evict_cache,
-                    options=lambda store, label, op: options_for(args.options, label, op),
-                    job_timeout=_job_timeout, progress=progress, seed=args.order_seed + 1000,
-                    label="tune ")
+                mark = time.time()
+
+                def tuner_for(runs: int, seed: int, label: str) -> Runner:
+                    return Runner(
+                        stores, pools, RankPool, world_size=args.world_size, runs=runs,
+                        count_requests=False, evict_cache=args.evict_cache,
+                        options=lambda store, label, op: options_for(args.options, label,
+                                                                     op),
+                        job_timeout=_job_timeout, progress=progress, seed=seed, label=label)
+
+                tuner = tuner_for(args.tune_runs, args.order_seed + 1000, "tune ")
                 tune_cases = [c.to_dict() for c in tuner.run(tplans)]
+                replacements += tuner.replacements
+                phases["tuning"] = time.time() - mark
+                cplans = confirm_plans(tplans, tune_cases, args.tune_confirm)
+                confirm_orders: dict[str, list[list[str]]] = {}
+                if cplans:
+                    mark = time.time()
+                    confirmer = tuner_for(1, args.order_seed + 2000, "tune+")
+                    tune_cases += [c.to_dict() for c in confirmer.run(cplans)]
+                    replacements += confirmer.replacements
+                    confirm_orders = confirmer.orders
+                    phases["tuning confirm"] = time.time() - mark
                 for tp in tplans:
                     mine = [c for c in tune_cases if c["store"] == tp.name]
                     names = dict.fromkeys(systems.split_variant(x)[0] for x in tp.systems)
@@ -535,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                     for n, best in tuned[tp.name].items():
                         best["state_bytes"] = tp.workload.state_bytes
                         best["orders"] = tuner.orders.get(tp.name)
+                        best["confirm_order"] = confirm_orders.get(tp.name)
                         print(f"  {tp.name:<9} best {n}: save {best['save']['options']}, "
                               f"load {best['load']['options']}", flush=True)
                 apply_tuning(plans, tuned)
@@ -544,7 +636,11 @@ def main(argv: list[str] | None = None) -> int:
                 options=lambda store, label, op: options_for(args.options, label, op,
                                                              tuned.get(store)),
                 job_timeout=_job_timeout, progress=progress, seed=args.order_seed)
+            mark = time.time()
             cases = runner.run(plans)
+            replacements += runner.replacements
+            phases["runs"] = time.time() - mark
+            phases["per store"] = runner.phase_seconds
             stores_info = stores.describe()
     finally:
         for pool in pools.values():
@@ -569,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": time.time() - started,
         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (
             sys.argv[1:] if argv is None else argv)),
+        "phases_s": phases,
+        "server_replacements": replacements,
         "machine": machine_info(),
         "quiet": quiet,
         "versions": versions(),
@@ -579,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                    "limit_gcs": args.limit_gcs, "limit_local": args.limit_local,
                    "options": args.options,
                    "tune": args.tune, "tune_runs": args.tune_runs,
+                   "tune_confirm": args.tune_confirm,
+                   "server_budget": args.server_budget_bytes,
+                   "all_limits": args.all_limits,
                    "tune_stores": args.tune_stores,
                    "tune_size": args.tune_bytes, "grid": grid_values,
                    "count_requests": args.count_requests, "evict_cache": args.evict_cache},

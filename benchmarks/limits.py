@@ -24,6 +24,12 @@ fixed, not celebrated. See "Limits" in ``docs/performance.md``.
 ``limit-s3[64MiBx8]``                boto3's client (botocore), one multipart upload per
 (also ``client-64MiBx8``)            rank, 64 MiB parts, 8 in flight from a thread pool;
                                      ranged GETs read from the socket into a buffer
+``limit-s3[objects-16MiBx8]``        boto3's client, the rank's bytes as many objects of
+                                     part size, each one single ``PUT``, 8 in flight;
+                                     whole-object GETs (no ``Range``) to load. On a store
+                                     that copies an object per ranged GET or joins
+                                     multipart uploads slowly (moto), many small
+                                     objects are the fastest way
 ``limit-s3[transfer-32MiBx8]``       boto3's managed transfer (``upload_fileobj`` /
                                      ``download_fileobj``, s3transfer's classic threads)
 ``limit-s3[crt-32MiBx8]``            the AWS Common Runtime's S3 client (``awscrt.s3``,
@@ -388,17 +394,20 @@ class _PartLimit(LimitSystem):
 
 
 class LimitS3(_PartLimit):
-    """The S3 limit: three client stacks (``client``, ``transfer``, ``crt``)."""
+    """The S3 limit: three client stacks (``client``, ``transfer``, ``crt``), and the
+    client moving many single-PUT objects (``objects``)."""
 
     name = "limit-s3"
     kinds = ("s3",)
     requires = ("boto3",)
-    description = ("boto3 client threads, boto3 managed transfer or the CRT S3 client; "
-                   "unsigned payload, no checksums")
+    description = ("boto3 client threads (one multipart object, or many single-PUT "
+                   "objects), boto3 managed transfer or the CRT S3 client; unsigned "
+                   "payload, no checksums")
 
     #: Client stacks and the modules each needs.
     CLIENTS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "client": ("boto3",), "transfer": ("boto3", "s3transfer"), "crt": ("awscrt",)}
+        "client": ("boto3",), "objects": ("boto3",), "transfer": ("boto3", "s3transfer"),
+        "crt": ("awscrt",)}
     client_kind: str
 
     def configure(self, variant: str) -> None:
@@ -421,6 +430,10 @@ class LimitS3(_PartLimit):
 
     def _key(self, ctx: OpContext) -> str:
         return f"{ctx.path}/limit_{ctx.rank}.bin"
+
+    def object_keys(self, ctx: OpContext, count: int) -> list[str]:
+        """The ``objects`` variant's keys: one object per part of the rank's bytes."""
+        return [f"{ctx.path}/limit_{ctx.rank}/p{i:05d}" for i in range(count)]
 
     def _config(self) -> Any:
         from botocore.config import Config
@@ -448,6 +461,8 @@ class LimitS3(_PartLimit):
             return _crt_save(self, ctx, state)
         if self.client_kind == "transfer":
             return self._transfer_save(ctx, state)
+        if self.client_kind == "objects":
+            return self._objects_save(ctx, state)
         client = self._client(ctx)
         parts = self.parts(state)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
@@ -485,23 +500,27 @@ class LimitS3(_PartLimit):
         ranges = self.ranges(state)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
         bucket, key = ctx.store.root, self._key(ctx)
+        # objects: each part is a whole object of its own (no Range header)
+        keys = (self.object_keys(ctx, len(ranges)) if self.client_kind == "objects"
+                else [key] * len(ranges))
 
-        def get(r: tuple[int, int]) -> None:
-            lo, n = r
-            body = client.get_object(Bucket=bucket, Key=key,
-                                     Range=f"bytes={lo}-{lo + n - 1}")["Body"]
+        def get(i: int) -> None:
+            lo, n = ranges[i]
+            extra = {} if self.client_kind == "objects" else {
+                "Range": f"bytes={lo}-{lo + n - 1}"}
+            body = client.get_object(Bucket=bucket, Key=keys[i], **extra)["Body"]
             try:
                 pos = lo
                 while pos < lo + n:
                     got = _socket_readinto(body, view[pos:lo + n])
                     if not got:
-                        raise EOFError(f"s3://{bucket}/{key} is short")
+                        raise EOFError(f"s3://{bucket}/{keys[i]} is short")
                     pos += got
             finally:
                 body.close()
 
         def run() -> dict[str, Any]:
-            list(pool.map(get, ranges))
+            list(pool.map(get, range(len(ranges))))
             return self._figures(len(ranges))
 
         def close() -> None:
@@ -509,6 +528,28 @@ class LimitS3(_PartLimit):
             client.close()
 
         return Operation(run, verify=lambda: _matches(view, state), close=close)
+
+    # many objects: one single PUT per part, as a checkpoint of many small files is
+
+    def _objects_save(self, ctx: OpContext, state: RankState) -> Operation:
+        client = self._client(ctx)
+        parts = self.parts(state)
+        keys = self.object_keys(ctx, len(parts))
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="limit-s3")
+        bucket = ctx.store.root
+
+        def put(i: int) -> None:
+            client.put_object(Bucket=bucket, Key=keys[i], Body=parts[i])
+
+        def run() -> dict[str, Any]:
+            list(pool.map(put, range(len(parts))))
+            return {**self._figures(len(parts)), "objects": len(parts)}
+
+        def close() -> None:
+            pool.shutdown()
+            client.close()
+
+        return Operation(run, close=close)
 
     # boto3's managed transfer (s3transfer, classic threads)
 

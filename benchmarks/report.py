@@ -367,6 +367,19 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"MB = 10^6 bytes. Duration {result['duration_s'] / 60:.1f} min. "
         f"Command: `{result['command']}`")
     lines.append("")
+    phases = result.get("phases_s") or {}
+    if phases:
+        lines += ["Phases: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()
+                                         if isinstance(v, (int, float))) + ".", ""]
+    fresh = result.get("server_replacements") or []
+    if fresh:
+        stores = sorted({r["store"] for r in fresh})
+        budget = cfg.get("server_budget")
+        lines += [f"Servers replaced by fresh, empty ones between cases (after "
+                  f"{format_bytes(budget) if budget else 'their budget'} of writes, so "
+                  f"that lazy space reclaim cannot fail a run): "
+                  + ", ".join(f"{s} {sum(r['store'] == s for r in fresh)}x" for s in stores)
+                  + ".", ""]
     lines += _settings_section(result)
     lines += _tuning_section(result)
     for store, info in result["stores"].items():

@@ -9,12 +9,17 @@ Order within a store (``--runs 6``, systems A B C D; :func:`balanced_order`)::
     run 4: C ...  B ...  D ...  A ...                            (its reverse)
     ...
     counting (one run, through the proxy): A.save A.load [A.load@M]  B ...  C ...
+    (every system but the limits and a peer's defaults whose [best] runs)
 
 Interleaving spreads slow drifts of the machine over every system. Pairing each seeded
 random permutation with its reverse balances the order: for every two systems A and B,
 A runs before B in exactly half the runs (with an even ``--runs``), so neither always
 goes first (say, onto a store whose disk has just been flushed), and the neighbours
 change from pair to pair. The seed and every run's order are recorded in the results.
+
+Before each system's save (between cases), the store's bytes written are accounted
+(:meth:`benchmarks.servers.Stores.reserve`): a SeaweedFS past its budget is replaced by
+a fresh, empty server first, so that its lazy space reclaim cannot fail a run.
 
 Every save goes to a fresh prefix, the loads (at the save's world size, then at each
 reshard world size) read that checkpoint, and the prefix is deleted before the next
@@ -64,6 +69,12 @@ class StorePlan:
     skipped: dict[str, str] = field(default_factory=dict)
     secondary: list[str] = field(default_factory=list)
 
+    def counted(self, system: str) -> bool:
+        """Whether ``system`` gets the untimed counting run (on a server with a proxy):
+        every system but a peer's defaults (its ``[best]`` is counted) and the limits
+        (their requests are their variant's arithmetic: parts or objects)."""
+        return system not in self.secondary and not get_system(system).is_limit
+
     def reshard_for(self, system: str) -> list[int]:
         """The reshard world sizes ``system`` is loaded at (none for the limits)."""
         if get_system(system).is_limit or system in self.secondary:
@@ -92,6 +103,9 @@ class Case:
         counted: Figures of the untimed counting run: ``requests`` (by kind),
             ``bytes_up``, ``bytes_down``, ``rchar``, per-rank results.
         errors: Why runs failed.
+        job_seconds: Wall time of each job of the case as the orchestrator saw it
+            (timed runs, failed ones and the counting run, in the order they ran):
+            the timed part plus the job's set-up, verification and hand-over.
     """
 
     store: str
@@ -103,6 +117,7 @@ class Case:
     runs: list[list[dict[str, Any]]] = field(default_factory=list)
     counted: dict[str, Any] | None = None
     errors: list[str] = field(default_factory=list)
+    job_seconds: list[float] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str, str, int]:
@@ -114,7 +129,7 @@ class Case:
         return {"store": self.store, "system": self.system, "op": self.op,
                 "world_size": self.world_size, "saved_at": self.saved_at,
                 "state_bytes": self.state_bytes, "runs": self.runs, "counted": self.counted,
-                "errors": self.errors}
+                "errors": self.errors, "job_seconds": self.job_seconds}
 
 
 class Runner:
@@ -155,6 +170,10 @@ class Runner:
         self.label = label
         #: store -> the system order of every timed run
         self.orders: dict[str, list[list[str]]] = {}
+        #: store -> seconds of wall time of its timed runs and of its counting runs
+        self.phase_seconds: dict[str, dict[str, float]] = {}
+        #: every replacement of a server by a fresh one (:meth:`Stores.reserve`)
+        self.replacements: list[dict[str, Any]] = []
         self.cases: dict[tuple[str, str, str, int], Case] = {}
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self.jobs_done = 0
@@ -181,7 +200,7 @@ class Runner:
             for system in plan.systems:
                 reshard = len(plan.reshard_for(system))
                 total += (2 + reshard) * runs
-                if counting and system not in plan.secondary:
+                if counting and plan.counted(system):
                     total += 2 + reshard
         return total
 
@@ -192,22 +211,39 @@ class Runner:
             store = self.stores.info[plan.name]
             orders = self.orders[plan.name] = balanced_order(plan.systems, self.runs,
                                                              self.seed + i)
+            started = time.monotonic()
             for rep, order in enumerate(orders):
                 for system in order:
-                    self._one(plan, store, system, rep, counted=False)
+                    self._one(plan, system, rep, counted=False)
+            self.phase_seconds[plan.name] = {"timed runs": time.monotonic() - started}
             if self.count_requests and store.proxy_url is not None:
+                started = time.monotonic()
                 for system in plan.systems:
-                    if system not in plan.secondary:
-                        self._one(plan, store.counted(), system, self.runs, counted=True)
+                    if plan.counted(system):
+                        self._one(plan, system, self.runs, counted=True)
+                self.phase_seconds[plan.name]["counting runs"] = time.monotonic() - started
         return list(self.cases.values())
 
     # -- one system, one repetition ------------------------------------------------------
 
-    def _one(self, plan: StorePlan, store: StoreInfo, system: str, rep: int,
-             *, counted: bool) -> None:
+    def _one(self, plan: StorePlan, system: str, rep: int, *, counted: bool) -> None:
         tag = "count" if counted else f"r{rep}"
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in system)
         path = f"bench/{self.run_id}/{plan.name}/{safe}/{tag}"
+        # between cases, nothing on the store is needed any more: a server that took
+        # its budget of writes is replaced by a fresh one here (Stores.reserve)
+        started = time.monotonic()
+        if self.stores.reserve(plan.name, plan.workload.state_bytes):
+            self.replacements.append({
+                "store": plan.name, "before": f"{system} {tag}",
+                "restart": self.stores.restarts.get(plan.name, 0),
+                "seconds": round(time.monotonic() - started, 2)})
+            self.progress(f"{self.label}  {plan.name}: replaced by a fresh server (its "
+                          f"budget of {format_bytes(self.stores.budgets[plan.name])} "
+                          "written)")
+        store = self.stores.info[plan.name]
+        if counted:
+            store = store.counted()
         try:
             ok = self._job(plan, store, system, "save", self.world_size, path, counted, rep)
             if not ok:
@@ -237,6 +273,7 @@ class Runner:
             results = self._pool(world_size).run(job, self.job_timeout(plan.workload.state_bytes))
         except JobError as exc:
             self.jobs_done += 1
+            case.job_seconds.append(round(time.monotonic() - started, 3))
             what = "counting run" if counted else f"run {rep + 1}"
             case.errors.append(f"{what}: {exc}")
             first = str(exc).strip().splitlines()
@@ -246,6 +283,7 @@ class Runner:
             logger.debug("job failed:\n%s", exc)
             return False
         self.jobs_done += 1
+        case.job_seconds.append(round(time.monotonic() - started, 3))
         per_rank = [r.to_dict() for r in results]
         if counted:
             case.counted = _counted_figures(results, proxy)

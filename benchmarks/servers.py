@@ -37,7 +37,7 @@ from dcpstore.testing.servers import (
 
 from . import pagecache
 
-__all__ = ["BUCKET", "STORE_KINDS", "StoreInfo", "Stores"]
+__all__ = ["BUCKET", "SERVER_BUDGETS", "STORE_KINDS", "StoreInfo", "Stores"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 BUCKET = "dcpstore-bench"
 #: Store name -> kind of store.
 STORE_KINDS = {"local": "local", "seaweedfs": "s3", "moto": "s3", "gcs": "gcs"}
+#: Bytes written to a server before :meth:`Stores.reserve` replaces it by a fresh one:
+#: ``weed mini`` reclaims deleted objects' space only lazily (after ~80 GiB of writes it
+#: answered InternalError to every client for about a minute); the in-memory servers
+#: free what is deleted.
+SERVER_BUDGETS = {"seaweedfs": 32 << 30}
 
 
 @dataclass(frozen=True)
@@ -91,13 +96,16 @@ class Stores:
         workdir: Where the MSC configuration is written.
         local_dir: Directory of the ``local`` store (default: a new temporary one).
         count_requests: Put a counting proxy in front of every server.
+        budgets: Bytes a store's server may take before :meth:`reserve` replaces it by
+            a fresh one (default: :data:`SERVER_BUDGETS`; a store not named has none).
         msc_part_sizes: Part sizes MSC profiles are also written for (profile
             ``<profile>-part<bytes>``: ``multipart_threshold`` and ``multipart_chunksize``
             of that size), for the ``msc`` peer's tuning grid.
     """
 
     def __init__(self, names: list[str], workdir: Path, *, local_dir: str | None = None,
-                 count_requests: bool = True, msc_part_sizes: tuple[int, ...] = ()) -> None:
+                 count_requests: bool = True, msc_part_sizes: tuple[int, ...] = (),
+                 budgets: dict[str, int] | None = None) -> None:
         self.names = names
         self.msc_part_sizes = tuple(msc_part_sizes)
         self.workdir = workdir
@@ -106,6 +114,12 @@ class Stores:
         self.info: dict[str, StoreInfo] = {}
         self.proxies: dict[str, Any] = {}
         self._servers: dict[str, Any] = {}
+        self.budgets = dict(SERVER_BUDGETS if budgets is None else budgets)
+        #: store -> bytes written to its current server (see :meth:`reserve`)
+        self.written: dict[str, int] = {}
+        #: store -> how often its server was replaced by a fresh one
+        self.restarts: dict[str, int] = {}
+        self._stacks: dict[str, contextlib.ExitStack] = {}
         self._stack = contextlib.ExitStack()
         self._own_local_dir: str | None = None
 
@@ -122,68 +136,126 @@ class Stores:
         if self._own_local_dir is not None:
             shutil.rmtree(self._own_local_dir, ignore_errors=True)
 
-    def _proxy(self, name: str, upstream: str) -> str | None:
+    def _proxy(self, name: str, upstream: str, stack: contextlib.ExitStack) -> str | None:
         if not self.count_requests:
             return None
         from dcpstore.testing import FaultProxy
 
-        proxy = self._stack.enter_context(FaultProxy(upstream))
+        proxy = stack.enter_context(FaultProxy(upstream))
         self.proxies[name] = proxy
         return str(proxy.endpoint_url)
 
     def _start(self) -> None:
+        for name in self.names:
+            self._start_one(name)
+        self._write_msc_config()
+
+    def _start_one(self, name: str) -> None:
+        """Start store ``name`` (its server and counting proxy in a stack of their own,
+        so that :meth:`replace` can stop them alone)."""
+        kind = STORE_KINDS[name]
+        stack = self._stack.enter_context(contextlib.ExitStack())
+        self._stacks[name] = stack
+        generation = self.restarts.get(name, 0)
+        if kind == "local":
+            root = self.local_dir
+            if root is None:
+                root = self._own_local_dir = tempfile.mkdtemp(prefix="dcpstore-bench-")
+            os.makedirs(root, exist_ok=True)
+            self.info[name] = StoreInfo(name, kind, os.path.abspath(root))
+        elif kind == "s3":
+            server: S3Server
+            if name == "seaweedfs":
+                server = stack.enter_context(seaweedfs_server(bucket=BUCKET))
+            else:
+                server = stack.enter_context(moto_server())
+                server.create_bucket(BUCKET)
+            self._servers[name] = server
+            proxy = self._proxy(name, server.endpoint_url, stack)
+            # a replaced server gets new profile names: MSC caches its clients by
+            # profile in every rank process, which would keep the old endpoint
+            profile = f"bench-{name}" + (f"-g{generation}" if generation else "")
+            self.info[name] = StoreInfo(
+                name, kind, BUCKET, server.endpoint_url, server.region, server.env(),
+                msc_profile=profile,
+                msc_profile_counted=profile + "-counted" if proxy else None,
+                proxy_url=proxy)
+        elif kind == "gcs":
+            gcs = stack.enter_context(fake_gcs_server())
+            gcs.create_bucket(BUCKET)
+            self._servers[name] = gcs
+            proxy = self._proxy(name, gcs.endpoint_url, stack)
+            self.info[name] = StoreInfo(
+                name, kind, BUCKET, gcs.endpoint_url,
+                env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, proxy_url=proxy)
+        else:  # pragma: no cover - names are validated by the CLI
+            raise ValueError(f"unknown store {name!r}")
+        self.written[name] = 0
+        logger.info("store %s ready: %s", name, self.info[name].endpoint_url
+                    or self.info[name].root)
+
+    def _write_msc_config(self) -> None:
+        """Write the MSC configuration of every S3 store's profiles (a new file after a
+        replacement: MSC caches what it read per ``MSC_CONFIG`` path)."""
         from .systems import msc_part_profile  # systems imports this module
 
         profiles: dict[str, Any] = {}
-        for name in self.names:
-            kind = STORE_KINDS[name]
-            if kind == "local":
-                root = self.local_dir
-                if root is None:
-                    root = self._own_local_dir = tempfile.mkdtemp(prefix="dcpstore-bench-")
-                os.makedirs(root, exist_ok=True)
-                self.info[name] = StoreInfo(name, kind, os.path.abspath(root))
-            elif kind == "s3":
-                server: S3Server
-                if name == "seaweedfs":
-                    server = self._stack.enter_context(seaweedfs_server(bucket=BUCKET))
-                else:
-                    server = self._stack.enter_context(moto_server())
-                    server.create_bucket(BUCKET)
-                self._servers[name] = server
-                proxy = self._proxy(name, server.endpoint_url)
-                profile = f"bench-{name}"
-                endpoints = {profile: server.endpoint_url}
-                if proxy is not None:
-                    endpoints[profile + "-counted"] = proxy
-                for base, endpoint in endpoints.items():
-                    profiles[base] = _msc_profile(endpoint, server.region)
-                    for part in self.msc_part_sizes:
-                        profiles[msc_part_profile(base, part)] = _msc_profile(
-                            endpoint, server.region, part_size=part)
-                self.info[name] = StoreInfo(
-                    name, kind, BUCKET, server.endpoint_url, server.region, server.env(),
-                    msc_profile=profile,
-                    msc_profile_counted=profile + "-counted" if proxy else None,
-                    proxy_url=proxy)
-            elif kind == "gcs":
-                gcs = self._stack.enter_context(fake_gcs_server())
-                gcs.create_bucket(BUCKET)
-                self._servers[name] = gcs
-                proxy = self._proxy(name, gcs.endpoint_url)
-                self.info[name] = StoreInfo(
-                    name, kind, BUCKET, gcs.endpoint_url,
-                    env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, proxy_url=proxy)
-            else:  # pragma: no cover - names are validated by the CLI
-                raise ValueError(f"unknown store {name!r}")
-            logger.info("store %s ready: %s", name, self.info[name].endpoint_url
-                        or self.info[name].root)
-        if profiles:
-            config = self.workdir / "msc_config.yaml"
-            _write_yaml(config, {"profiles": profiles})
-            for name, info in self.info.items():
-                if info.kind == "s3":
-                    self.info[name] = replace(info, msc_config=str(config))
+        for info in self.info.values():
+            if info.kind != "s3" or info.endpoint_url is None:
+                continue
+            endpoints = {str(info.msc_profile): info.endpoint_url}
+            if info.proxy_url is not None and info.msc_profile_counted:
+                endpoints[info.msc_profile_counted] = info.proxy_url
+            for base, endpoint in endpoints.items():
+                profiles[base] = _msc_profile(endpoint, info.region)
+                for part in self.msc_part_sizes:
+                    profiles[msc_part_profile(base, part)] = _msc_profile(
+                        endpoint, info.region, part_size=part)
+        if not profiles:
+            return
+        replaced = sum(self.restarts.values())
+        config = self.workdir / ("msc_config.yaml" if not replaced
+                                 else f"msc_config-r{replaced}.yaml")
+        _write_yaml(config, {"profiles": profiles})
+        for name, info in self.info.items():
+            if info.kind == "s3":
+                self.info[name] = replace(info, msc_config=str(config))
+
+    # -- fresh servers ----------------------------------------------------------------------
+
+    def replace(self, name: str) -> None:
+        """Stop store ``name``'s server (and counting proxy) and start a fresh, empty one
+        on new ports; :attr:`info` then describes the new one. Everything stored there
+        is gone."""
+        stack = self._stacks.pop(name)
+        self._servers.pop(name, None)
+        self.proxies.pop(name, None)
+        stack.close()
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self._start_one(name)
+        self._write_msc_config()
+
+    def reserve(self, name: str, nbytes: int) -> bool:
+        """Account ``nbytes`` about to be written to store ``name``. When that would take
+        it past its budget (:attr:`budgets`), the server is replaced by a fresh one first
+        (:meth:`replace`): SeaweedFS does not reclaim deleted objects' space until a
+        vacuum, and after ~80 GiB of writes it answered InternalError to every client
+        for about a minute. Call it only between cases, when nothing is stored there
+        that a later job needs.
+
+        Returns:
+            Whether the server was replaced.
+        """
+        budget = self.budgets.get(name)
+        replaced = False
+        if budget is not None and self.written[name] and \
+                self.written[name] + nbytes > budget:
+            logger.info("store %s: %d bytes written, replacing its server", name,
+                        self.written[name])
+            self.replace(name)
+            replaced = True
+        self.written[name] += nbytes
+        return replaced
 
     # -- housekeeping (untimed, from the orchestrator) ------------------------------------
 
@@ -222,7 +294,9 @@ class Stores:
             out[name] = {"kind": info.kind, "root": info.root,
                          "endpoint_url": info.endpoint_url,
                          "server": getattr(server, "kind", None) or name,
-                         "counting_proxy": info.proxy_url is not None}
+                         "counting_proxy": info.proxy_url is not None,
+                         "budget_bytes": self.budgets.get(name),
+                         "fresh_restarts": self.restarts.get(name, 0)}
         return out
 
 

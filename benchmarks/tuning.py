@@ -2,9 +2,12 @@
 
 Before the timed runs, every peer with a ``grid`` (:attr:`benchmarks.systems.System.grid`:
 threads 1/4/8, and part size 8/32 MiB for s3torchconnector and MSC) saves and loads a
-smaller state at every point of its grid, ``--tune-runs`` times, in a balanced random
-order like the main runs. Per operation, the point with the shortest time (the fastest
-of its runs) is the peer's best; for the load only the options its reader uses count
+smaller state at every point of its grid, ``--tune-runs`` times (1), in a balanced
+random order like the main runs. Then the leading points (:func:`leaders`: per peer, the
+``--tune-confirm`` (2) fastest saves and the as many fastest readers) run once more,
+so that a point is not picked on one lucky run while points that were never close are
+not repeated. Per operation, the point with the shortest time (the fastest of its
+runs) is the peer's best; for the load only the options its reader uses count
 (:attr:`~benchmarks.systems.System.reader_keys`; none: the reader's defaults). The main
 runs then run each peer at its defaults **and** as ``<peer>[best]``, and the targets are
 judged against the faster of the two. Every point's figures are in the results.
@@ -19,7 +22,7 @@ from typing import Any
 from .systems import get as get_system
 from .systems import options_variant, parse_option_value, split_variant
 
-__all__ = ["grid_points", "is_default", "parse_grid", "pick_best", "point_label"]
+__all__ = ["grid_points", "is_default", "leaders", "parse_grid", "pick_best", "point_label"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,35 +63,72 @@ def _best_seconds(case: dict[str, Any]) -> float | None:
     return min(times) if times else None
 
 
-def pick_best(name: str, cases: list[dict[str, Any]], state_bytes: int) -> dict[str, Any]:
-    """The best grid point of peer ``name`` per operation, from the tuning cases.
-
-    Args:
-        name: The peer.
-        cases: :meth:`benchmarks.runner.Case.to_dict` of the tuning runs (any systems).
-        state_bytes: Bytes of the tuning state.
-
-    Returns:
-        ``{"save": {"options", "mbps"}, "load": {...}, "points": [{"options",
-        "save_mbps", "load_mbps"}]}``; an operation none of whose points ran has
-        ``options`` ``None``.
-    """
-    system = get_system(name)
+def _points(name: str, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``variant -> {"options", "save_s", "load_s", "runs"}`` of peer ``name``'s grid
+    points: the fastest run of each operation over every case given (the cases of
+    several rounds of the same point are merged)."""
     points: dict[str, dict[str, Any]] = {}
     for c in cases:
         base, variant = split_variant(c["system"])
         if base != name or not variant or c["world_size"] != c["saved_at"]:
             continue
         opts = get_system(c["system"]).variant_options()
-        entry = points.setdefault(variant, {"options": opts, "save_s": None, "load_s": None})
-        entry[f"{c['op']}_s"] = _best_seconds(c)
+        entry = points.setdefault(variant, {"options": opts, "save_s": None, "load_s": None,
+                                            "save_runs": 0, "load_runs": 0})
+        seconds = _best_seconds(c)
+        entry[f"{c['op']}_runs"] += len(c.get("runs") or [])
+        if seconds is not None:
+            old = entry[f"{c['op']}_s"]
+            entry[f"{c['op']}_s"] = seconds if old is None else min(old, seconds)
+    return points
+
+
+def leaders(name: str, cases: list[dict[str, Any]], count: int) -> list[str]:
+    """The grid points of peer ``name`` worth another run: the ``count`` fastest saves,
+    and for each of the ``count`` fastest readers (points that differ only in writer
+    options are one reader) its point with the fastest load. Labels, as
+    :func:`point_label` gives them, in grid order of first appearance."""
+    if count < 1:
+        return []
+    system = get_system(name)
+    points = _points(name, cases)
+    saves = sorted((p["save_s"], v) for v, p in points.items() if p["save_s"])
+    chosen = [v for _, v in saves[:count]]
+    readers: dict[tuple[tuple[str, Any], ...], tuple[float, str]] = {}
+    for v, p in points.items():
+        if not p["load_s"]:
+            continue
+        key = tuple(sorted((k, x) for k, x in p["options"].items() if k in system.reader_keys))
+        if key not in readers or p["load_s"] < readers[key][0]:
+            readers[key] = (p["load_s"], v)
+    chosen += [v for _, v in sorted(readers.values())[:count]]
+    return [f"{name}[{v}]" for v in dict.fromkeys(chosen)]
+
+
+def pick_best(name: str, cases: list[dict[str, Any]], state_bytes: int) -> dict[str, Any]:
+    """The best grid point of peer ``name`` per operation, from the tuning cases.
+
+    Args:
+        name: The peer.
+        cases: :meth:`benchmarks.runner.Case.to_dict` of the tuning runs (any systems;
+            the cases of several rounds are merged per point and operation).
+        state_bytes: Bytes of the tuning state.
+
+    Returns:
+        ``{"save": {"options", "mbps"}, "load": {...}, "points": [{"options",
+        "save_mbps", "load_mbps", "save_runs", "load_runs"}]}``; an operation none of
+        whose points ran has ``options`` ``None``.
+    """
+    system = get_system(name)
+    points = _points(name, cases)
 
     def mbps(seconds: float | None) -> float | None:
         return state_bytes / seconds / 1e6 if seconds else None
 
     out: dict[str, Any] = {"points": [
         {"options": p["options"], "save_mbps": mbps(p["save_s"]),
-         "load_mbps": mbps(p["load_s"])} for p in points.values()]}
+         "load_mbps": mbps(p["load_s"]), "save_runs": p["save_runs"],
+         "load_runs": p["load_runs"]} for p in points.values()]}
     saves = [p for p in points.values() if p["save_s"]]
     best = min(saves, key=lambda p: p["save_s"]) if saves else None
     out["save"] = {"options": dict(best["options"]) if best else None,

@@ -137,7 +137,8 @@ def test_evict_drops_the_pages(tmp_path: Path) -> None:
     assert pagecache.evict([str(tmp_path / "missing")]) == 0
 
 
-@pytest.mark.parametrize("variant", ["client-5MiBx2", "transfer-5MiBx3", "crt-5MiBx4"])
+@pytest.mark.parametrize("variant", ["client-5MiBx2", "objects-5MiBx3", "transfer-5MiBx3",
+                                     "crt-5MiBx4"])
 def test_s3_limit_moves_the_bytes(variant: str, state: RankState, s3_stores: Stores
                                   ) -> None:
     limit = systems.get(f"limit-s3[{variant}]")
@@ -153,8 +154,19 @@ def test_s3_limit_moves_the_bytes(variant: str, state: RankState, s3_stores: Sto
                              lambda: s3_stores.evict("seaweedfs", ctx.path))
         client = s3_stores._servers["seaweedfs"].client()
         try:
-            key = f"{ctx.path}/limit_0.bin"
-            body = client.get_object(Bucket=info.root, Key=key)["Body"].read()
+            if limit.client_kind == "objects":
+                # one single-PUT object per part, in order; the loads read whole objects
+                parts = -(-state.share_bytes // (5 * MiB))
+                listed = client.list_objects_v2(Bucket=info.root, Prefix=ctx.path + "/")
+                keys = sorted(o["Key"] for o in listed.get("Contents", []))
+                assert keys == limit.object_keys(ctx, parts) and parts > 1
+                assert figures[0]["objects"] == parts
+                assert all(f["parts"] == parts for f in figures)
+                body = b"".join(client.get_object(Bucket=info.root, Key=k)["Body"].read()
+                                for k in keys)
+            else:
+                key = f"{ctx.path}/limit_0.bin"
+                body = client.get_object(Bucket=info.root, Key=key)["Body"].read()
         finally:
             client.close()
         assert body == state.concat()
@@ -197,3 +209,40 @@ def test_seaweedfs_eviction_drops_its_volume_files(s3_stores: Stores) -> None:
     finally:
         s3_stores.delete("seaweedfs", "evict")
         client.close()
+
+
+def test_a_server_past_its_budget_is_replaced_by_a_fresh_one(tmp_path: Path) -> None:
+    """``Stores.reserve`` replaces SeaweedFS (and its counting proxy, and the MSC
+    profiles) once the bytes written pass the budget; everything reaches the new one."""
+    with Stores(["seaweedfs"], tmp_path, count_requests=True, msc_part_sizes=(8 * MiB,),
+                budgets={"seaweedfs": 10 * MiB}) as stores:
+        first = stores.info["seaweedfs"]
+        assert not stores.reserve("seaweedfs", 6 * MiB)  # 6 of 10 MiB
+        client = stores._servers["seaweedfs"].client()
+        client.put_object(Bucket=first.root, Key="old/obj", Body=b"x")
+        client.close()
+        assert not stores.reserve("seaweedfs", 4 * MiB)  # exactly the budget
+        assert stores.reserve("seaweedfs", 1)  # past it: a fresh server first
+        fresh = stores.info["seaweedfs"]
+        assert stores.restarts == {"seaweedfs": 1} and stores.written["seaweedfs"] == 1
+        assert fresh.endpoint_url != first.endpoint_url
+        assert fresh.proxy_url and fresh.proxy_url != first.proxy_url
+        assert fresh.msc_config != first.msc_config and fresh.msc_profile != first.msc_profile
+        config = Path(str(fresh.msc_config)).read_text()
+        assert fresh.msc_profile and fresh.msc_profile in config
+        assert str(fresh.endpoint_url) in config and str(first.endpoint_url) not in config
+        # the fresh server is empty and works, through the proxy too
+        client = stores._servers["seaweedfs"].client()
+        try:
+            assert "Contents" not in client.list_objects_v2(Bucket=fresh.root)
+        finally:
+            client.close()
+        import boto3
+
+        via_proxy = boto3.client("s3", endpoint_url=fresh.proxy_url, region_name=fresh.region,
+                                 aws_access_key_id=fresh.env["AWS_ACCESS_KEY_ID"],
+                                 aws_secret_access_key=fresh.env["AWS_SECRET_ACCESS_KEY"])
+        via_proxy.put_object(Bucket=fresh.root, Key="new/obj", Body=b"y")
+        assert stores.proxies["seaweedfs"].stats.requests.get("PUT", 0) == 1
+        stores.delete("seaweedfs", "new")
+        assert stores.describe()["seaweedfs"]["fresh_restarts"] == 1

@@ -115,9 +115,20 @@ def test_quick_and_full_defaults() -> None:
     full = parse_args([])
     assert (full.runs, full.sizes["seaweedfs"], full.reshard) == (6, 1 << 30, [3])
     assert full.sizes["moto"] < full.sizes["seaweedfs"]
-    assert full.tune and full.grid_values == {} and full.tune_runs == 2
+    assert full.tune and full.grid_values == {} and full.tune_runs == 1
+    assert full.tune_confirm == 2 and quick.tune_confirm == 1
     assert set(full.tune_stores) == set(full.stores) and quick.tune_stores == ["seaweedfs"]
     assert parse_args(["--order-seed", "7"]).order_seed == 7
+    # the limits: by default the variants that can be the fastest (the many-objects S3
+    # variant among them); --all-limits runs every one, explicit variants win
+    assert "objects-16MiBx8" in full.limit_s3 and len(full.limit_s3) == 3
+    assert any(v.startswith("objects-") for v in quick.limit_s3)
+    every = parse_args(["--all-limits", "--limit-gcs", "8MiBx2"])
+    assert {"dd", "wb16MiBx2", "direct16MiBx4"} == set(every.limit_local)
+    assert set(full.limit_s3) < set(every.limit_s3)
+    assert {"transfer-32MiBx8", "crt-32MiBx8", "32MiBx8"} <= set(every.limit_s3)
+    assert every.limit_gcs == ["8MiBx2"]
+    assert full.server_budget_bytes == 32 << 30 and quick.server_budget_bytes < 1 << 30
 
 
 @pytest.mark.parametrize(("n", "runs"), [(2, 2), (5, 6), (8, 6), (3, 10)])
@@ -221,6 +232,36 @@ def test_pick_best_per_operation() -> None:
     assert options_for({}, "msc[best]", "load", tuned) == {"part_size": 32 * MiB,
                                                             "thread_count": 4}
     assert options_for({}, "msc", "load", tuned) == {}
+
+
+def test_tuning_leaders_and_rounds_merge() -> None:
+    cases = [
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "save", [3.0]),
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "load", [1.0]),
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "save", [2.0]),
+        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "load", [0.4]),
+        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "save", [2.9]),
+        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "load", [0.6]),
+        _tune_case("s3torchconnector[part_size=32MiB,thread_count=8]", "save", [4.0]),
+        _tune_case("s3torchconnector[part_size=32MiB,thread_count=8]", "load", [0.5]),
+    ]
+    # 1 leader: the fastest save and the fastest reader's fastest point (the same one)
+    assert tuning.leaders("s3torchconnector", cases, 1) == [
+        "s3torchconnector[part_size=8MiB,thread_count=8]"]
+    # 2: the two fastest saves, and the two readers (8 MiB, 32 MiB) at their fastest
+    assert tuning.leaders("s3torchconnector", cases, 2) == [
+        "s3torchconnector[part_size=8MiB,thread_count=8]",
+        "s3torchconnector[part_size=32MiB,thread_count=1]",
+        "s3torchconnector[part_size=32MiB,thread_count=8]"]
+    assert tuning.leaders("s3torchconnector", cases, 0) == []
+    # a second round's case of the same point merges with the first: fastest run wins,
+    # and the runs of both rounds are counted
+    again = _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "save", [1.0])
+    best = tuning.pick_best("s3torchconnector", [*cases, again], state_bytes=100_000_000)
+    assert best["save"]["options"] == {"part_size": 32 * MiB, "thread_count": 1}
+    point = next(p for p in best["points"]
+                 if p["options"] == {"part_size": 32 * MiB, "thread_count": 1})
+    assert (point["save_runs"], point["load_runs"]) == (2, 1)
 
 
 def test_every_s3_client_sends_the_same_signing_and_checksum_settings() -> None:
@@ -370,6 +411,18 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         assert name in stores["seaweedfs"]["secondary"]
         assert ("seaweedfs", f"{name}[best]", "load", 1) in cases
         assert ("seaweedfs", name, "load", 1) not in cases
+    # the second tuning round re-ran each peer's leading point (quick: its one point)
+    for name, best in result["tuning"]["seaweedfs"].items():
+        assert [(p["save_runs"], p["load_runs"]) for p in best["points"]] == [(2, 2)], name
+    assert {"start", "tuning", "tuning confirm", "runs"} <= set(result["phases_s"])
+    # quick mode's small server budget: SeaweedFS was replaced by fresh servers between
+    # cases, and every case above still ran whole
+    assert stores["seaweedfs"]["fresh_restarts"] >= 1
+    assert stores["seaweedfs"]["fresh_restarts"] == len(result["server_replacements"])
+    assert {r["store"] for r in result["server_replacements"]} == {"seaweedfs"}
+    # the many-objects S3 limit ran on both S3 stores (its cases were checked above)
+    for store in ("seaweedfs", "moto"):
+        assert any(x.startswith("limit-s3[objects-") for x in stores[store]["systems"])
     assert ("local", "torch-fs", "load", 1) in cases and not stores["local"]["secondary"]
     settings = stores["seaweedfs"]["settings"]
     assert settings["msc[best]"]["save options"] == {"thread_count": 4, "part_size": 32 * MiB}
@@ -406,7 +459,8 @@ def _check_case(case: dict[str, Any], info: dict[str, Any]) -> None:
         assert sum(r["share_bytes"] for r in run) == case["state_bytes"], where
         assert all(r["cpu_user"] + r["cpu_sys"] > 0 for r in run), where
         assert all(r["rss_peak"] >= r["rss_before"] > 0 for r in run), where
-    counted = case["store"] == "local" or case["system"] not in info["secondary"]
+    counted = case["store"] == "local" or (case["system"] not in info["secondary"]
+                                           and not s["is_limit"])
     if case["op"] == "load":
         assert s["verified"] is True, where
         assert s["bytes_needed"] == case["state_bytes"], where
@@ -429,8 +483,10 @@ def _check_case(case: dict[str, Any], info: dict[str, Any]) -> None:
         if case["op"] == "load":
             # DCP's items: the tensor bytes plus a small header each
             assert case["state_bytes"] <= s["reader_bytes_needed"] <= s["reader_bytes_read"]
-    # counting runs: on the servers, for every system but a peer's defaults whose [best]
-    # runs too; reshard loads included (dcpstore's too)
+    # counting runs: on the servers, for every system but the limits and a peer's
+    # defaults whose [best] runs too; reshard loads included (dcpstore's too)
+    if case["store"] != "local" and not counted:
+        assert case["counted"] is None, where
     if case["store"] != "local" and counted:
         counted = case["counted"]
         assert counted is not None and counted["verified"], where
