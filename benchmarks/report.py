@@ -546,7 +546,10 @@ def _tuning_section(result: dict[str, Any]) -> list[str]:
     lines = ["## Tuning (each peer's best setting)", "",
              f"Every grid point saved and loaded {cfg.get('tune_runs', 1)} time(s) on a "
              "smaller state first (a quarter of the store's, at most "
-             f"{format_bytes(cfg.get('tune_size', 0))}); per operation the point with the "
+             f"{format_bytes(cfg.get('tune_size', 0))})"
+             + (f", then each peer's {cfg['tune_confirm']} fastest saves and readers once "
+                "more" if cfg.get("tune_confirm") else "")
+             + "; per operation the point with the "
              "fastest run is the peer's best (for the load, among the options its reader "
              "uses). The main runs run each peer at its defaults and as `<peer>[best]`; "
              "targets are judged against the faster of the two.", "",
