@@ -453,15 +453,28 @@ class Checkpointer:
                 self._submit("drain", step, started, self._drain, step)
             return
         assert self.stager is not None
-        staged = self.stager.stage(state)
-        blocked = time.perf_counter() - started
-        self.last_timings = {"step": step, "blocked_s": blocked, "where": target.where,
-                             "durable_s": None}
         group = self._group_for_async()
         if target.where == "local":
             self._group_for_drain()
             self._undrained.add(step)
-        write = self._submit("write", step, started, self._write, step, staged, target, group)
+        self.last_timings = {"step": step, "blocked_s": None, "where": target.where,
+                             "durable_s": None}
+        if self.async_mode == "process":
+            # the background process writes each slot as soon as it is copied: the write
+            # starts now and overlaps the copy, which durable would otherwise add in full
+            pending = self.stager.prepare(state)
+            write = self._submit("write", step, started, self._write, step, pending.staged,
+                                 target, group)
+            try:
+                self.stager.copy(pending)
+            except BaseException:
+                self._jobs[-1].reported = True  # the write fails for this very error
+                raise
+        else:
+            staged = self.stager.stage(state)  # the thread's writer reads the slots as is
+            write = self._submit("write", step, started, self._write, step, staged, target,
+                                 group)
+        self.last_timings["blocked_s"] = time.perf_counter() - started
         if target.where == "local":
             self._submit("drain", step, started, self._drain_after, write, step)
 
