@@ -459,10 +459,10 @@ class Checkpointer:
             self._undrained.add(step)
         self.last_timings = {"step": step, "blocked_s": None, "where": target.where,
                              "durable_s": None}
-        if self.async_mode == "process":
+        pending = self.stager.prepare(state)
+        if self.async_mode == "process" and not pending.on_cuda:
             # the background process writes each slot as soon as it is copied: the write
             # starts now and overlaps the copy, which durable would otherwise add in full
-            pending = self.stager.prepare(state)
             write = self._submit("write", step, started, self._write, step, pending.staged,
                                  target, group)
             try:
@@ -471,9 +471,11 @@ class Checkpointer:
                 self._jobs[-1].reported = True  # the write fails for this very error
                 raise
         else:
-            staged = self.stager.stage(state)  # the thread's writer reads the slots as is
-            write = self._submit("write", step, started, self._write, step, staged, target,
-                                 group)
+            # a thread's writer reads the slots as they are; CUDA copies finish on a side
+            # stream (the write synchronizes with them first)
+            self.stager.copy(pending)
+            write = self._submit("write", step, started, self._write, step, pending.staged,
+                                 target, group)
         self.last_timings["blocked_s"] = time.perf_counter() - started
         if target.where == "local":
             self._submit("drain", step, started, self._drain_after, write, step)

@@ -211,6 +211,12 @@ class StagedState:
     staged: dict[str, Any]
     tensors: list[torch.Tensor]
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether any tensor is on a CUDA device (copied on a side stream: a writer may
+        read the slots only after :meth:`Stager.synchronize`)."""
+        return any(t.device.type == "cuda" for t in self.tensors)
+
 
 def progress_counter(arena: _Arena) -> torch.Tensor:
     """The shared arena's copy-progress counter: its last 8 bytes, one int64 (slots copied
@@ -293,7 +299,7 @@ class Stager:
         with self._lock:
             try:
                 with torch.no_grad():
-                    if any(t.device.type == "cuda" for t in pending.tensors):
+                    if pending.on_cuda:
                         self._copy_cuda(pending.tensors)
                     else:
                         for i, (slot, src) in enumerate(
