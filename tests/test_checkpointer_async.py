@@ -211,6 +211,28 @@ def test_killed_writer_process_is_detected_and_nothing_committed(tmp_path: Path)
         ckpt.close()
 
 
+def test_copy_overlaps_the_write_only_with_a_core_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcpstore.checkpointer import cores_per_local_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cores_per_local_rank() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cores_per_local_rank() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        assert ckpt.overlap_copy is False  # 2 cores a rank: copy first, then the write
+        ckpt.save(1, _state(1))
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        assert ckpt.overlap_copy is True
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="thread") as ckpt:
+        assert ckpt.overlap_copy is False  # a thread's writer reads the slots as they are
+
+
 def _data_bytes(step_dir: Path) -> int:
     """Bytes in a step's data files so far (everything but the commit files)."""
     if not step_dir.exists():
@@ -244,6 +266,7 @@ def test_process_mode_writes_while_the_snapshot_is_copied(
 
     monkeypatch.setattr(Stager, "_set_copied", copied)
     with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        ckpt.overlap_copy = True  # whatever this machine's cores per rank
         for step in (1, 2):
             seen["step"] = step
             ckpt.save(step, state)
