@@ -9,8 +9,10 @@ commit marker visible in the store), and the **peak extra memory** per rank; the
 last step is loaded back and checked bit-exact. Steady state = saves 2..N.
 
 Systems side by side (where they run): ``copy-limit`` (one copy of the rank's share into
-preallocated memory: the limit), ``dcpstore[blocking|thread|process|process-shm|
-thread-pinned]``, ``dcpstore-tier[blocking|thread]`` (``local_tier``, S3 only),
+preallocated memory: the limit; into one arena faulted in before the first save and
+reused, as a stager's, the fastest of 3 copies per save),
+``dcpstore[blocking|thread|process|process-shm|thread-pinned]``,
+``dcpstore-tier[blocking|thread]`` (``local_tier``, S3 only),
 ``torch-async[thread|thread-cached|thread-shm|thread-pinned|process|process-shm|
 process-pinned]`` (``dcp.async_save`` with ``FileSystemWriter`` / ``FsspecWriter``) and
 ``s3torchconnector-async[thread]``. Pinned staging needs CUDA: elsewhere its rows say

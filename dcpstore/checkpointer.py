@@ -72,9 +72,13 @@ from .uri import parse_uri
 from .writer import Writer
 
 __all__ = ["BackgroundWriterDiedError", "CheckpointSaveError", "Checkpointer", "DrainError",
-           "Step"]
+           "Step", "cores_per_local_rank"]
 
 logger = logging.getLogger(__name__)
+
+#: Cores per local rank from which process mode overlaps the snapshot copy with the write:
+#: one for the copy, one for the writer, the rest for the training process's own threads.
+_OVERLAP_MIN_CORES = 4
 
 
 
@@ -197,6 +201,9 @@ class Checkpointer:
         last_timings: Timings of the last save (see :meth:`save`).
         last_load: Where the last :meth:`load` read from: ``step``, ``where``
             (``"local"`` or ``"remote"``), ``uri`` and ``seconds``.
+        overlap_copy: Process mode: the background process writes each tensor as soon
+            as ``save`` has copied it, so the copy overlaps the write. On by default when
+            this rank has at least 4 cores to itself (:func:`cores_per_local_rank`).
     """
 
     def __init__(
@@ -270,6 +277,11 @@ class Checkpointer:
         self._worker: BackgroundWriter | None = None
         if async_mode == "process":
             self._worker = BackgroundWriter()  # starts importing torch while training runs
+        # only with cores to spare: where copy, writer and the rest of the training process
+        # share fewer, the writer slows down the copy that training waits for and gains
+        # nothing in time to durable (measured on 2 cores: blocked grew 2-4x)
+        self.overlap_copy = (async_mode == "process"
+                             and cores_per_local_rank() >= _OVERLAP_MIN_CORES)
         self._runner = _SerialRunner("dcpstore-ckpt")
         # drains run on their own thread (and gloo group): the write of step N+1 to the
         # local tier does not queue behind the drain of step N
@@ -453,15 +465,30 @@ class Checkpointer:
                 self._submit("drain", step, started, self._drain, step)
             return
         assert self.stager is not None
-        staged = self.stager.stage(state)
-        blocked = time.perf_counter() - started
-        self.last_timings = {"step": step, "blocked_s": blocked, "where": target.where,
-                             "durable_s": None}
         group = self._group_for_async()
         if target.where == "local":
             self._group_for_drain()
             self._undrained.add(step)
-        write = self._submit("write", step, started, self._write, step, staged, target, group)
+        self.last_timings = {"step": step, "blocked_s": None, "where": target.where,
+                             "durable_s": None}
+        pending = self.stager.prepare(state)
+        if self.overlap_copy and not pending.on_cuda:
+            # the background process writes each slot as soon as it is copied: the write
+            # starts now and overlaps the copy, which durable would otherwise add in full
+            write = self._submit("write", step, started, self._write, step, pending.staged,
+                                 target, group)
+            try:
+                self.stager.copy(pending)
+            except BaseException:
+                self._jobs[-1].reported = True  # the write fails for this very error
+                raise
+        else:
+            # a thread's writer reads the slots as they are; CUDA copies finish on a side
+            # stream (the write synchronizes with them first)
+            self.stager.copy(pending)
+            write = self._submit("write", step, started, self._write, step, pending.staged,
+                                 target, group)
+        self.last_timings["blocked_s"] = time.perf_counter() - started
         if target.where == "local":
             self._submit("drain", step, started, self._drain_after, write, step)
 
@@ -1165,6 +1192,22 @@ def _malloc_trim() -> Any:
         return ctypes.CDLL("libc.so.6").malloc_trim  # releases the GIL while it runs
     except (OSError, AttributeError):  # not glibc
         return None
+
+
+def cores_per_local_rank() -> int:
+    """CPU cores this process may run on, divided by the ranks on this node
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it; else the world size of an initialized
+    process group, which assumes one node; else 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local = 0
+    with contextlib.suppress(ValueError):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local < 1:
+        local = dist.get_world_size() if is_distributed() else 1
+    return max(1, cores // local)
 
 
 def _superseded(queued: list[int]) -> set[int]:

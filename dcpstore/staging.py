@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import dataclasses
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -43,6 +45,7 @@ __all__ = [
     "BackgroundWriterDiedError",
     "CheckpointSaveError",
     "ProxyWriter",
+    "StagedState",
     "Stager",
     "StagingOptions",
     "as_staging_options",
@@ -192,6 +195,35 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+#: The progress counter's value after a failed copy.
+_COPY_FAILED = -1
+
+
+@dataclasses.dataclass
+class StagedState:
+    """A state dict laid out in a :class:`Stager`'s arena (see :meth:`Stager.prepare`).
+
+    Attributes:
+        staged: The staged copy (its tensors are arena slots).
+        tensors: The source tensors, in slot order.
+    """
+
+    staged: dict[str, Any]
+    tensors: list[torch.Tensor]
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether any tensor is on a CUDA device (copied on a side stream: a writer may
+        read the slots only after :meth:`Stager.synchronize`)."""
+        return any(t.device.type == "cuda" for t in self.tensors)
+
+
+def progress_counter(arena: _Arena) -> torch.Tensor:
+    """The shared arena's copy-progress counter: its last 8 bytes, one int64 (slots copied
+    so far, or -1 after a failed copy)."""
+    return arena.tensor(arena.size - 8, torch.int64, (1,))
+
+
 class Stager:
     """Snapshots state dicts into one arena reused across saves.
 
@@ -213,6 +245,8 @@ class Stager:
         self._event: Any = None
         self._stream: Any = None
         self._lock = threading.Lock()
+        # slots copied so far (shared arenas only; see prepare)
+        self._progress: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         size = self.arena.size if self.arena else 0
@@ -231,6 +265,19 @@ class Stager:
         preallocated slots. With ``use_async_staging`` on CUDA the copies may still be in
         flight: call :meth:`synchronize` before reading the result from another thread.
         """
+        pending = self.prepare(state_dict)
+        self.copy(pending)
+        return pending.staged
+
+    def prepare(self, state_dict: dict[str, Any]) -> StagedState:
+        """The first half of :meth:`stage`: lay ``state_dict`` out in the arena (allocated
+        on the first call or when the layout changed) and return the staged copy whose
+        tensor slots :meth:`copy` fills next.
+
+        In a shared arena a counter tells a background writer how many slots hold their
+        values, so it may write the first tensors while the later ones are copied
+        (:class:`ProxyWriter` waits on it); until :meth:`copy` the counter is 0.
+        """
         with self._lock:
             flat = {k: (v.state_dict() if isinstance(v, Stateful) else v)
                     for k, v in state_dict.items()}
@@ -239,26 +286,54 @@ class Stager:
             signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
             if signature != self._signature or self.arena is None:
                 self._allocate(tensors, signature)
-            cuda = any(t.device.type == "cuda" for t in tensors)
-            with torch.no_grad():
-                if cuda:
-                    self._copy_cuda(tensors)
-                else:
-                    for slot, src in zip(self._slots, tensors, strict=True):
-                        slot.copy_(src)
-            it = iter(self._slots)
-            return _rebuild(flat, it)
+            self._set_copied(0)
+            return StagedState(_rebuild(flat, iter(self._slots)), tensors)
+
+    def copy(self, pending: StagedState) -> None:
+        """The second half of :meth:`stage`: copy the tensors into their slots.
+
+        Raises:
+            Whatever the copy raises; a background writer waiting for the slots then
+            fails the save instead of waiting.
+        """
+        with self._lock:
+            try:
+                with torch.no_grad():
+                    if pending.on_cuda:
+                        self._copy_cuda(pending.tensors)
+                    else:
+                        for i, (slot, src) in enumerate(
+                                zip(self._slots, pending.tensors, strict=True)):
+                            slot.copy_(src)
+                            self._set_copied(i + 1)
+            except BaseException:
+                self._set_copied(_COPY_FAILED)
+                raise
+
+    def slot_index(self, offset: int) -> int | None:
+        """Index of the slot holding byte ``offset`` of the arena (``None``: none does)."""
+        i = bisect.bisect_right(self._offsets, offset) - 1
+        if i < 0 or offset >= self._offsets[i] + self._slots[i].nbytes:
+            return None
+        return i
+
+    def _set_copied(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.fill_(n)
 
     def synchronize(self) -> None:
         """Wait for device-to-host copies still in flight (async staging)."""
         event, self._event = self._event, None
         if event is not None:
             event.synchronize()
+            self._set_copied(len(self._slots))
 
     def close(self) -> None:
         """Release the arena."""
         self.synchronize()
         self._slots = []
+        self._offsets = []
+        self._progress = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -273,11 +348,13 @@ class Stager:
             offsets.append(size)
             nbytes = t.numel() * t.element_size()
             size += -(-nbytes // _ALIGN) * _ALIGN
-        self.arena = _Arena(size, shared=self.options.use_shared_memory,
+        shared = self.options.use_shared_memory
+        self.arena = _Arena(size + (_ALIGN if shared else 0), shared=shared,
                             pinned=self.options.use_pinned_memory)
         self._slots = [self.arena.tensor(off, t.dtype, tuple(t.shape))
                        for off, t in zip(offsets, tensors, strict=True)]
         self._offsets = offsets
+        self._progress = progress_counter(self.arena) if shared else None
         self._signature = signature
         self.allocations += 1
         logger.debug("allocated a %d-byte staging arena for %d tensors", size, len(tensors))
@@ -301,6 +378,7 @@ class Stager:
             self._event = event
         else:
             event.synchronize()
+            self._set_copied(len(self._slots))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -338,11 +416,17 @@ def _rebuild(value: Any, slots: Any) -> Any:
 
 
 class _StubPlanner:
-    """What the worker's :class:`Writer` needs of a planner: ``resolve_data``."""
+    """What the worker's :class:`Writer` needs of a planner: ``resolve_data``.
+
+    An arena tensor is handed out once the parent has copied its slot (the parent copies
+    while this process writes the slots before it).
+    """
 
     def __init__(self, table: dict[MetadataIndex, Any], arena: _Arena | None) -> None:
         self.table = table
         self.arena = arena
+        self._progress = progress_counter(arena) if arena is not None else None
+        self._parent = os.getppid()
 
     def resolve_data(self, item: WriteItem) -> Any:
         import io
@@ -351,11 +435,31 @@ class _StubPlanner:
         if kind == "bytes":
             return io.BytesIO(payload)
         if kind == "arena":
-            if self.arena is None:
+            if self.arena is None or self._progress is None:
                 raise DcpstoreError("background writer: no staging arena attached")
-            offset, dtype, shape = payload
+            offset, dtype, shape, slot = payload
+            if slot is not None:
+                self._wait_copied(slot + 1)
             return self.arena.tensor(offset, dtype, shape)
         return payload
+
+    def _wait_copied(self, n: int) -> None:
+        """Wait until the parent copied ``n`` slots (polls: a copy of one slot takes
+        milliseconds at most, and this process has nothing else to do)."""
+        assert self._progress is not None
+        delay = 0.0001
+        while True:
+            copied = int(self._progress.item())
+            if copied >= n:
+                return
+            if copied == _COPY_FAILED:
+                raise CheckpointSaveError("the snapshot of the state failed in the training "
+                                          "process (save() raised there); nothing of this "
+                                          "save is committed")
+            if os.getppid() != self._parent:
+                raise BackgroundWriterDiedError("the training process is gone")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.002)
 
 
 def _worker_entry(fd: int) -> None:
@@ -569,7 +673,9 @@ class ProxyWriter(Writer):
                 continue
             offset = arena.locate(data) if arena is not None else None
             if offset is not None:
-                table[item.index] = ("arena", (offset, data.dtype, tuple(data.shape)))
+                # the worker waits for the slot's copy (save() may still be copying)
+                table[item.index] = ("arena", (offset, data.dtype, tuple(data.shape),
+                                               self.stager.slot_index(offset)))
             else:
                 table[item.index] = ("tensor", data.detach().cpu().contiguous())
         if arena is not None:

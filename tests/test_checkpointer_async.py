@@ -211,6 +211,83 @@ def test_killed_writer_process_is_detected_and_nothing_committed(tmp_path: Path)
         ckpt.close()
 
 
+def test_copy_overlaps_the_write_only_with_a_core_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcpstore.checkpointer import cores_per_local_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cores_per_local_rank() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cores_per_local_rank() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        assert ckpt.overlap_copy is False  # 2 cores a rank: copy first, then the write
+        ckpt.save(1, _state(1))
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        assert ckpt.overlap_copy is True
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="thread") as ckpt:
+        assert ckpt.overlap_copy is False  # a thread's writer reads the slots as they are
+
+
+def _data_bytes(step_dir: Path) -> int:
+    """Bytes in a step's data files so far (everything but the commit files)."""
+    if not step_dir.exists():
+        return 0
+    return sum(p.stat().st_size for p in step_dir.rglob("*")
+               if p.is_file() and not p.name.startswith("."))
+
+
+def test_process_mode_writes_while_the_snapshot_is_copied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The background process writes the first tensor while save() is still copying the
+    second (the copy is not added to the time until durable), and a copy that fails
+    half-way fails the save: nothing is committed, and the next save works."""
+    first = torch.randn(1 << 20)  # 4 MiB, written first
+    state = {"a": first, "b": torch.randn(1 << 10)}
+    seen: dict[str, int] = {}
+    fail: list[bool] = [False]
+    original = Stager._set_copied
+
+    def copied(self: Stager, n: int) -> None:
+        original(self, n)
+        if n != 1:
+            return
+        step_dir = tmp_path / f"step-{seen['step']:09d}"
+        deadline = time.monotonic() + 60  # a hang guard, not a speed limit
+        while _data_bytes(step_dir) < first.nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen[f"written_{seen['step']}"] = _data_bytes(step_dir)  # while "b" is not copied
+        if fail[0]:
+            raise RuntimeError("copy failed half-way")
+
+    monkeypatch.setattr(Stager, "_set_copied", copied)
+    with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
+        ckpt.overlap_copy = True  # whatever this machine's cores per rank
+        for step in (1, 2):
+            seen["step"] = step
+            ckpt.save(step, state)
+            ckpt.wait()
+            assert seen[f"written_{step}"] >= first.nbytes, seen
+        fail[0], seen["step"] = True, 3
+        with pytest.raises(RuntimeError, match="half-way"):
+            ckpt.save(3, state)
+        ckpt.wait()  # the write failed for the error save() raised: not reported again
+        assert ckpt.steps() == [1, 2]
+        assert not (tmp_path / "step-000000003" / ".metadata").exists()
+        fail[0], seen["step"] = False, 4
+        assert ckpt._worker is not None and ckpt._worker.alive()
+        ckpt.save(4, state)
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2, 4]
+        out = {"a": torch.zeros_like(first), "b": torch.zeros(1 << 10)}
+        assert ckpt.load(out) == 4
+        assert torch.equal(out["a"], first) and torch.equal(out["b"], state["b"])
+
+
 # -- 2 ranks, gloo: DTensor shards, mutate right after save --------------------------------
 
 
