@@ -413,6 +413,19 @@ class Backend(abc.ABC):
         """Abort one unfinished multipart upload; one already gone is not an error."""
         raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
 
+    def preferred_object_size(self) -> int | None:
+        """The data-file size the writer's automatic layout (``files_per_rank=None``)
+        aims for: the largest object this backend stores with a single request (and
+        whose streaming upload stays within its memory bound), less headroom for the
+        archive headers of the items. ``None`` (the default; local disk): one data file
+        per rank, as torch's ``FileSystemWriter`` writes.
+
+        Object stores want it: one request per object on save and one whole-object
+        read per file on a same-world-size load, where a multipart upload costs its
+        parts plus an assembly that some stores (moto) do slowly, and a ranged read of
+        a large object costs some stores (moto) a copy of the whole object."""
+        return None
+
     def remove_empty_dirs(self) -> None:
         """Remove the root and its sub-directories if they hold no objects: a hook for
         stores with real directories (local files); object stores have none."""

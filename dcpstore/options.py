@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = [
+    "AUTO_MAX_FILES",
     "ReaderOptions",
     "WriterOptions",
     "coerce",
@@ -30,6 +31,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: Most data files per rank the automatic layout (``files_per_rank=None``) makes: it
+#: bounds the objects (and requests) of a save and the manifest's size for a large rank;
+#: past it the files grow beyond the backend's preferred object size.
+AUTO_MAX_FILES = 128
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -45,6 +51,12 @@ class WriterOptions:
             existing checkpoint is refused before any rank writes.
         files_per_rank: Data files each rank writes, concurrently. Items are spread
             over them by size; with one file they keep the save plan's order.
+            ``None`` (default; also ``"auto"`` in a URI query): the backend decides. A
+            backend with a preferred object size
+            (:meth:`~dcpstore.Backend.preferred_object_size`: S3 and GCS, which then
+            store every file with one request and read it back with one) gets files of
+            at most about that size, up to :data:`AUTO_MAX_FILES` per rank, written by
+            at most ``max_concurrency`` threads; one without (local disk) gets one file.
         sharding_guard: Refuse per-rank state saved as plain tensors (see
             :mod:`dcpstore.guard`).
         base: URI of an earlier committed checkpoint under the same run root (a sibling
@@ -63,7 +75,7 @@ class WriterOptions:
     """
 
     overwrite: bool = False
-    files_per_rank: int = 1
+    files_per_rank: int | None = None
     sharding_guard: bool = True
     base: str | None = None
     base_required: bool = True
@@ -126,7 +138,7 @@ def coerce(value: Any, annotation: Any, name: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
-        if value.lower() in ("", "none", "null") and type(None) in args:
+        if value.strip().lower() in ("", "none", "null", "auto") and type(None) in args:
             return None
         last: Exception | None = None
         for arg in args:

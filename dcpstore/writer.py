@@ -50,7 +50,7 @@ from .errors import CheckpointExistsError, CheckpointNotFoundError, DcpstoreErro
 from .guard import LocalPlanSummary, check_global_plan, summarize_local_plan
 from .manifest import FileRecord, Manifest, Payload
 from .metadata_io import load_metadata, read_manifest
-from .options import WriterOptions
+from .options import AUTO_MAX_FILES, WriterOptions
 from .read_plan import chunk_index
 from .references import (
     INCREMENTAL_DIR,
@@ -300,6 +300,45 @@ def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]
     return [b for b in buckets if b]
 
 
+def _pack_items(items: Sequence[WriteItem], capacity: int,
+                max_files: int) -> list[list[WriteItem]]:
+    """Spread items over files of at most ``capacity`` tensor bytes each: tensors
+    largest-first into the first file with room (a tensor larger than ``capacity`` gets
+    a file of its own), byte items (small pickles) round-robin. Where that would take
+    more than ``max_files`` files, the items are spread evenly over ``max_files``
+    instead (:func:`_split_items`). Empty files are dropped."""
+    if capacity < 1:
+        raise ValueError(f"preferred object size must be >= 1 byte, got {capacity}")
+    tensors = sorted(
+        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True
+    )
+    total = sum(_item_nbytes(i) for i in tensors)
+    if -(-total // capacity) > max_files:
+        return _split_items(items, max_files)
+    buckets: list[list[WriteItem]] = []
+    sizes: list[int] = []
+    for item in tensors:
+        n = _item_nbytes(item)
+        fits = [i for i, used in enumerate(sizes) if used + n <= capacity]
+        if fits:
+            idx = fits[0]
+        else:
+            if len(buckets) >= max_files:
+                idx = sizes.index(min(sizes))
+            else:
+                idx = len(buckets)
+                buckets.append([])
+                sizes.append(0)
+        buckets[idx].append(item)
+        sizes[idx] += n
+    if not buckets:
+        buckets.append([])
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    for n, item in enumerate(byte_items):
+        buckets[n % len(buckets)].append(item)
+    return [b for b in buckets if b]
+
+
 def payload_digest(tensor: torch.Tensor) -> str:
     """XXH3-128 of a contiguous CPU tensor's bytes, as 32 hex digits."""
     raw = tensor.reshape(-1).view(torch.uint8).numpy()
@@ -350,8 +389,9 @@ class Writer(StorageWriter):
         super().__init__()
         self.backend = backend
         self.options = options or WriterOptions()
-        if self.options.files_per_rank < 1:
-            raise ValueError(f"files_per_rank must be >= 1, got {self.options.files_per_rank}")
+        if self.options.files_per_rank is not None and self.options.files_per_rank < 1:
+            raise ValueError(f"files_per_rank must be >= 1 or None (automatic), got "
+                             f"{self.options.files_per_rank}")
         self.extensions = list(extensions) if extensions else []
         self._rebind = rebind
         self.is_coordinator = True
@@ -462,16 +502,15 @@ class Writer(StorageWriter):
         assignment = self._assignment(plan)
         self.save_id = assignment.save_id
         base = assignment.base
-        buckets = _split_items(plan.items, self.options.files_per_rank)
+        buckets, threads = self._layout(plan.items)
         names = [layout.data_file_name(assignment.rank, i, self.save_id)
                  for i in range(len(buckets))]
         results: list[WriteResult] = []
-        if len(buckets) <= 1:
+        if len(buckets) <= 1 or threads <= 1:
             for name, bucket in zip(names, buckets, strict=True):
                 results += self._write_file(name, bucket, planner, base)
         else:
-            # like torch's FileSystemWriter(thread_count=N): one thread per file
-            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-file") as pool:
+            with ThreadPoolExecutor(threads, thread_name_prefix="dcpstore-file") as pool:
                 futures = [pool.submit(self._write_file, n, b, planner, base)
                            for n, b in zip(names, buckets, strict=True)]
                 errors = []
@@ -485,6 +524,36 @@ class Writer(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _layout(self, items: Sequence[WriteItem]) -> tuple[list[list[WriteItem]], int]:
+        """This rank's data files (their items) and how many are written at once.
+
+        Explicit ``files_per_rank=N``: N files, one thread each (like torch's
+        ``FileSystemWriter(thread_count=N)``). Automatic: files of at most the backend's
+        :meth:`~dcpstore.Backend.preferred_object_size` (see :func:`_pack_items`), at
+        most ``min(max_concurrency, part_size x max_concurrency / that size)`` of them
+        written at once, so their buffers hold no more than the parts in flight may (a
+        save stays within ``2 x part_size x max_concurrency``; S3 defaults: 4 files of
+        up to 15 MiB at once; GCS: 16 of up to 30 MiB); one file where the backend
+        prefers none.
+        """
+        explicit = self.options.files_per_rank
+        if explicit is not None:
+            buckets = _split_items(items, explicit)
+            return buckets, len(buckets)
+        target = self.backend.preferred_object_size()
+        if target is None:
+            return _split_items(items, 1), 1
+        buckets = _pack_items(items, target, AUTO_MAX_FILES)
+        # each file being written holds a buffer of up to ~target bytes (a single-request
+        # object is sent from it): together no more than the parts in flight may hold,
+        # so a save stays within 2 x part_size x max_concurrency
+        o = self.backend.options
+        budget = o.part_size * o.max_concurrency // target
+        threads = max(1, min(len(buckets), o.max_concurrency, budget))
+        logger.debug("rank %d: %d data files of at most ~%d bytes, %d at once", self.rank,
+                     len(buckets), target, threads)
+        return buckets, threads
 
     def _assignment(self, plan: SavePlan) -> _Assignment:
         """This rank's assignment for this save: the plan's own, or, for a plan torch

@@ -127,7 +127,11 @@ def _uri(tag: str = "t") -> str:
 
 
 def _opts(server: S3Server, **extra: Any) -> dict[str, Any]:
-    return {"endpoint_url": server.endpoint_url, "part_size": 5 * MiB, **extra}
+    # small parts, and objects past one part are multipart uploads (the default
+    # multipart_threshold, 16 MiB, would store these tests' objects in one PutObject;
+    # tests/test_layout_auto.py covers it)
+    return {"endpoint_url": server.endpoint_url, "part_size": 5 * MiB,
+            "multipart_threshold": 5 * MiB, **extra}
 
 
 def _raw_keys(server: S3Server, uri: str) -> list[str]:

@@ -225,7 +225,8 @@ def _options(store: Store, proxy: FaultProxy, **extra: Any) -> dict[str, Any]:
         "retry_backoff": 0.05, "retry_backoff_max": 0.5, "max_concurrency": 16,
     }
     if store.kind == "s3":
-        opts.update(part_size=5 * MiB, addressing_style="path")
+        # every 5 MiB is a part (not a 16 MiB first buffer): rounds of parts to learn from
+        opts.update(part_size=5 * MiB, multipart_threshold=5 * MiB, addressing_style="path")
     else:
         opts.update(part_size=256 * KiB)
     opts.update(extra)

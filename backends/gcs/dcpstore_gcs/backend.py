@@ -554,6 +554,12 @@ class GCSBackend(Backend):
         self.client  # noqa: B018 (fail here, on credentials, not in a worker thread)
         return _CompositeUpload(self, key)
 
+    def preferred_object_size(self) -> int | None:
+        """15/16 of ``part_size``: files the automatic layout makes are smaller than one
+        part, so each is one upload request (no parts, no compose, no deletes) and, on
+        a same-world-size load, one read."""
+        return self.options.part_size - self.options.part_size // 16
+
     def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         self._run(self._read_range(self._name(key), offset, outs))
 

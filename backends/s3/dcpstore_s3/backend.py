@@ -93,7 +93,11 @@ class S3MultipartUpload(MultipartUpload):
     part_growth = PART_GROWTH
 
     def part_bytes(self, number: int) -> int:
-        return min(MAX_PART_SIZE, super().part_bytes(number))
+        size = super().part_bytes(number)
+        if number == 1:
+            # the buffer an object up to multipart_threshold is sent from in one PutObject
+            size = max(size, self.backend.options.multipart_threshold)
+        return min(MAX_PART_SIZE, size)
 
     def __init__(self, backend: S3Backend, key: str) -> None:
         super().__init__(backend, key)
@@ -319,6 +323,13 @@ class S3Backend(Backend):
 
     def _open_upload(self, key: str) -> Upload:
         return S3MultipartUpload(self, key)
+
+    def preferred_object_size(self) -> int | None:
+        """15/16 of ``max(multipart_threshold, part_size)``: files the automatic layout
+        makes are single ``PutObject`` requests, with room for the items' archive
+        headers and small pickled items."""
+        threshold = max(self.options.multipart_threshold, self.options.part_size)
+        return threshold - threshold // 16
 
     def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         self._with_fallback(key, lambda physical: self._get_range(physical, offset, outs))

@@ -1,0 +1,165 @@
+"""The automatic data-file layout (``files_per_rank=None``, the default).
+
+On object stores each rank's bytes are cut into files of about the backend's preferred
+object size, each stored with one request and, on a same-world-size load, read back
+with one GET; counted at the HTTP level through a proxy in front of moto and
+fake-gcs-server. An explicit ``files_per_rank`` still decides, and local disk keeps one
+file per rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from stores import Store
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+import dcpstore
+from dcpstore import layout
+from dcpstore.options import AUTO_MAX_FILES, WriterOptions, resolve_options
+from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
+from dcpstore.writer import _item_nbytes, _pack_items
+
+MiB = 1024 * 1024
+TENSORS = 12  # of 1 MiB each
+
+# S3: single PutObject up to 8 MiB -> files of up to 7.5 MiB: 7 + 5 tensors.
+# GCS: single request below one 4 MiB part -> files of up to 3.75 MiB: 4 x 3 tensors.
+STORE_OPTIONS = {
+    "s3": {"part_size": 5 * MiB, "multipart_threshold": 8 * MiB},
+    "gcs": {"part_size": 4 * MiB},
+}
+AUTO_FILES = {"s3": 2, "gcs": 4}
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {f"t{i:02d}": torch.full((MiB // 4,), value + i, dtype=torch.float32)
+            for i in range(TENSORS)}
+
+
+def _blank() -> dict[str, Any]:
+    return {f"t{i:02d}": torch.zeros(MiB // 4, dtype=torch.float32) for i in range(TENSORS)}
+
+
+def _data_file(name: str) -> bool:
+    return name.endswith(layout.DATA_SUFFIX)
+
+
+class _Requests:
+    """A plan that injects nothing and records every request naming a data file."""
+
+    def __init__(self) -> None:
+        self.seen: list[RequestInfo] = []
+
+    def plan(self) -> FaultPlan:
+        def match(info: RequestInfo) -> bool:
+            if _data_file(info.object_name):
+                self.seen.append(info)
+            return False
+
+        return FaultPlan(match=match)
+
+    def take(self) -> Counter[str]:
+        """Requests on data files by method, since the last call."""
+        out = Counter(info.method for info in self.seen)
+        self.seen.clear()
+        return out
+
+
+def _save_and_load(store: Store, proxy: FaultProxy, requests: _Requests,
+                   **writer: Any) -> tuple[int, Counter[str], Counter[str]]:
+    """Save, then load at the same world size, through ``proxy``: the data files made,
+    the requests on them while saving and while loading."""
+    opts = store.via(proxy.endpoint_url).options
+    uri = store.uri("layout")
+    requests.take()
+    dcpstore.save(_state(1.0), uri, **writer, **opts)
+    saved = requests.take()
+    files = sorted(f for f in store.files(uri) if _data_file(f))
+    out = _blank()
+    dcpstore.load(out, uri, **opts)
+    loaded = requests.take()
+    for key, value in _state(1.0).items():
+        assert torch.equal(out[key], value), key
+    assert store.uploads(uri) == []
+    return len(files), saved, loaded
+
+
+@pytest.mark.parametrize("store", ["moto", "gcs"], indirect=True)
+def test_auto_layout_one_request_per_object(store: Store) -> None:
+    assert store.upstream is not None
+    requests = _Requests()
+    with FaultProxy(store.upstream, requests.plan()) as proxy:
+        files, saved, loaded = _save_and_load(store, proxy, requests)
+        assert files == AUTO_FILES[store.kind]
+        # one upload request per data file: no multipart create/complete, no parts,
+        # no compose, no deletes of temporary parts
+        assert sum(saved.values()) == files, saved
+        # a same-world-size load reads each file with one whole-object GET
+        assert loaded == Counter(GET=files), loaded
+
+        # an explicit files_per_rank still decides: one 12 MiB file, a multipart /
+        # composite upload (it is over the single-request size), read back in one GET
+        files, saved, loaded = _save_and_load(store, proxy, requests, files_per_rank=1)
+        assert files == 1
+        assert sum(saved.values()) >= 3, saved
+        assert loaded == Counter(GET=1), loaded
+
+        files, saved, _ = _save_and_load(store, proxy, requests, files_per_rank=3)
+        assert files == 3
+
+
+def test_local_disk_keeps_one_file_per_rank(tmp_path: Path) -> None:
+    dcpstore.save(_state(2.0), tmp_path / "c")
+    assert len([p for p in (tmp_path / "c").iterdir() if _data_file(p.name)]) == 1
+
+
+def _item(name: str, nbytes: int) -> WriteItem:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData
+
+    return WriteItem(
+        index=MetadataIndex(name), type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([nbytes])),
+            properties=TensorProperties(dtype=torch.uint8), size=torch.Size([nbytes])))
+
+
+def _byte_item(name: str) -> WriteItem:
+    return WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO)
+
+
+def test_pack_items_fills_files_up_to_the_preferred_size() -> None:
+    items = [_item(f"a{i}", 3) for i in range(5)] + [_item("big", 20), _byte_item("b0"),
+                                                      _byte_item("b1")]
+    files = _pack_items(items, capacity=10, max_files=AUTO_MAX_FILES)
+    sizes = sorted(sum(_item_nbytes(i) for i in f) for f in files)
+    # the item larger than a file alone; 5 x 3 bytes into files of at most 10
+    assert sizes == [6, 9, 20]
+    assert sorted(i.index.fqn for f in files for i in f) == sorted(i.index.fqn for i in items)
+    # too many files needed: spread evenly over max_files instead
+    files = _pack_items([_item(f"c{i}", 10) for i in range(9)], capacity=10, max_files=3)
+    assert [sum(_item_nbytes(i) for i in f) for f in files] == [30, 30, 30]
+    # only byte items: one file
+    assert len(_pack_items([_byte_item("x"), _byte_item("y")], 10, 4)) == 1
+    assert _pack_items([], 10, 4) == []
+
+
+def test_files_per_rank_option_values() -> None:
+    def resolve(query: dict[str, str]) -> Any:
+        return resolve_options(WriterOptions, scheme="file", explicit={}, query=query,
+                               environ={}).files_per_rank
+
+    assert WriterOptions().files_per_rank is None
+    assert resolve({"files_per_rank": "auto"}) is None
+    assert resolve({"files_per_rank": "4"}) == 4
+    with pytest.raises(ValueError, match="files_per_rank"):
+        dcpstore.get_writer("file:///tmp/x", files_per_rank=0)
