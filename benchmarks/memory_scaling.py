@@ -10,8 +10,10 @@ or page-cache noise):
 
 - ``peak``: the peak of traced memory during the operation, over what was traced just
   before it;
-- ``held``: what is still allocated when the operation's last storage call starts
-  (``read_data`` of a load, ``finish``/the end of ``write_data`` of a save), split by
+- ``held``: what is still allocated when the operation's last step starts (for a
+  dcpstore load: when ``read_data`` starts its range requests, its plan made; for
+  torch's reader: ``read_data``; for a save: ``finish`` on the coordinator, the end of
+  ``write_data`` on the others), split by
   who allocated it: the innermost frame of each allocation's traceback in dcpstore,
   in torch, or elsewhere; and the dcpstore lines holding the most.
 
@@ -85,7 +87,6 @@ def _rank(rank: int, world: int, port: int, tensors: int, root: str,
     from torch.distributed.tensor import DTensor, Shard
 
     import dcpstore
-    from dcpstore.reader import Reader
     from dcpstore.writer import Writer
 
     torch.set_num_threads(1)
@@ -99,14 +100,14 @@ def _rank(rank: int, world: int, port: int, tensors: int, root: str,
     result: dict[str, Any] = {"rank": rank}
     marks: dict[str, Any] = {}
 
-    def hook(cls: Any, name: str, op: str) -> None:
-        original = getattr(cls, name)
+    def hook(owner: Any, name: str, op: str) -> None:
+        original = getattr(owner, name)
 
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
             if op not in marks:  # the first call of the operation's last step
                 marks[op] = _held(marks[f"{op}-start"])
-            return original(self, *args, **kwargs)
-        setattr(cls, name, wrapped)
+            return original(*args, **kwargs)
+        setattr(owner, name, wrapped)
 
     if system == "torch":
         from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -119,7 +120,8 @@ def _rank(rank: int, world: int, port: int, tensors: int, root: str,
         def reader() -> Any:
             return FileSystemReader(root)
     else:
-        hook(Reader, "read_data", "load")
+        import dcpstore.reader
+        hook(dcpstore.reader, "fetch_and_deliver", "load")
         hook(Writer, "finish", "save")
 
         def writer() -> Any:
