@@ -283,9 +283,9 @@ class Manifest:
 
         def cut(records: dict[str, FileRecord]) -> dict[str, FileRecord]:
             out = {}
-            for path, rec in records.items():
-                offsets = wanted.get(path)
-                if offsets is None:
+            for path, offsets in wanted.items():  # this rank's files only
+                rec = records.get(path)
+                if rec is None:
                     continue
                 out[path] = FileRecord(
                     rec.size, rec.crc32c, [i for i in rec.items if i[0] in offsets],
