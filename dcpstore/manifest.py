@@ -8,9 +8,11 @@ save's ``.metadata`` with the other's manifest. torch's own readers ignore the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -215,16 +217,34 @@ class Manifest:
         Raises:
             IntegrityError: ``.metadata`` is not the one committed with this manifest.
         """
+        if self.metadata is not None:
+            self.check_metadata_digest(len(raw), crc32c(raw), source=source)
+
+    def check_metadata_digest(self, size: int, actual: int, *, source: str = ".metadata"
+                              ) -> None:
+        """:meth:`check_metadata` for a ``.metadata`` of ``size`` bytes whose CRC32C is
+        ``actual`` (its bytes need not be kept until the check).
+
+        Raises:
+            IntegrityError: ``.metadata`` is not the one committed with this manifest.
+        """
         if self.metadata is None:
             return
-        actual = crc32c(raw)
-        if len(raw) != self.metadata.size or actual != self.metadata.crc32c:
+        if size != self.metadata.size or actual != self.metadata.crc32c:
             raise IntegrityError(
-                f"{source} is damaged: {len(raw)} bytes with CRC32C {actual:08x}, the "
+                f"{source} is damaged: {size} bytes with CRC32C {actual:08x}, the "
                 f"manifest {manifest_key(self.save_id)} recorded {self.metadata.size} bytes "
                 f"with CRC32C {self.metadata.crc32c:08x} (one of the two was modified after "
                 "the save); restore it or load an older checkpoint"
             )
+
+    def header(self) -> Manifest:
+        """This manifest without item records: what every rank of a load needs before
+        its plan is known (save id, ``.metadata`` record, the files it references)."""
+        return dataclasses.replace(
+            self, files={},
+            references={k: FileRecord(r.size, r.crc32c) for k, r in self.references.items()},
+            _item_index=None)
 
     def item_crc(self, relative_path: str, offset: int, length: int) -> int | None:
         """CRC32C recorded for the item at ``offset`` of ``relative_path``, if any.
@@ -247,6 +267,39 @@ class Manifest:
                 f"says {found[0]}; the checkpoint was modified after it was written"
             )
         return found[1]
+
+    def subset(self, items: Iterable[tuple[str, int]]) -> Manifest:
+        """This manifest restricted to the records of ``items`` (``(relative_path,
+        offset)`` of the items one rank reads) and the files that hold them.
+
+        The coordinator of a load sends each rank its subset in the load plan, so a rank
+        holds a record per item it reads, not per item of the checkpoint. Everything else
+        (save id, ``.metadata`` record, block size) is kept; a referenced file keeps its
+        place in ``references``.
+        """
+        wanted: dict[str, set[int]] = {}
+        for path, offset in items:
+            wanted.setdefault(path, set()).add(offset)
+
+        def cut(records: dict[str, FileRecord]) -> dict[str, FileRecord]:
+            out = {}
+            for path, offsets in wanted.items():  # this rank's files only
+                rec = records.get(path)
+                if rec is None:
+                    continue
+                out[path] = FileRecord(
+                    rec.size, rec.crc32c, [i for i in rec.items if i[0] in offsets],
+                    {o: p for o, p in rec.payloads.items() if o in offsets})
+            return out
+
+        return dataclasses.replace(self, files=cut(self.files),
+                                   references=cut(self.references), _item_index=None)
+
+    @property
+    def item_count(self) -> int:
+        """Item records held (own files and referenced ones)."""
+        return sum(len(r.items) for records in (self.files, self.references)
+                   for r in records.values())
 
     def item_payload(self, relative_path: str, offset: int) -> Payload | None:
         """Where the raw tensor bytes of an item lie, if recorded."""

@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .errors import IntegrityError
@@ -39,14 +44,43 @@ __all__ = [
 ChunkIndex = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
 
 
-def chunk_index(metadata: Metadata) -> ChunkIndex:
-    """The dtype and size of every saved tensor chunk, by fqn and chunk offsets."""
-    return {
-        (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
-        for fqn, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-        for chunk in md.chunks
-    }
+def chunk_index(metadata: Metadata, wanted: Iterable[MetadataIndex] | None = None
+                ) -> ChunkIndex:
+    """The dtype and size of saved tensor chunks, by fqn and chunk offsets.
+
+    Args:
+        metadata: The checkpoint's ``.metadata``.
+        wanted: Index only these chunks (the ``storage_index`` of a plan's read items),
+            so that a rank holds an entry per chunk it reads, not per chunk of the
+            checkpoint; ``None``: every chunk.
+    """
+    state = metadata.state_dict_metadata
+    if wanted is None:
+        return {
+            (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
+            for fqn, md in state.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
+    out: ChunkIndex = {}
+    for index in wanted:
+        md = state.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        offsets = tuple(index.offset or ())
+        key = (index.fqn, offsets)
+        if key in out:
+            continue
+        hint = index.index
+        found: ChunkStorageMetadata | None
+        if hint is not None and 0 <= hint < len(md.chunks) and tuple(
+                md.chunks[hint].offsets) == offsets:
+            found = md.chunks[hint]  # DCP's planners set the chunk's position as a hint
+        else:
+            found = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+        if found is not None:
+            out[key] = (md.properties.dtype, tuple(found.sizes))
+    return out
 
 
 @dataclass

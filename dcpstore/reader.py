@@ -7,6 +7,10 @@ The reader itself only follows DCP's calls; the work is done by one module per j
 - :mod:`dcpstore.delivery`: lay out each range's buffers, fetch, verify, deliver;
 - :mod:`dcpstore.read_share`: read once, share: bytes several ranks need are fetched by
   one and sent to the others, and only the coordinator reads ``.metadata``.
+
+Only the coordinator of a ``dcp.load`` holds the whole integrity manifest: it sends each
+rank the records of the items that rank reads in its load plan (:class:`RankReads`), so
+what a rank holds grows with its own share of the checkpoint, not with the world size.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import functools
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -25,10 +30,11 @@ from torch.futures import Future
 
 from . import layout
 from .backend import Backend
+from .checksum import crc32c
 from .delivery import Delivery, fetch_and_deliver
 from .errors import CheckpointNotFoundError, DcpstoreError, IntegrityError
 from .local import LocalBackend
-from .manifest import Manifest
+from .manifest import SAVE_ID_PREFIX, Manifest
 from .metadata_io import (
     check_references,
     load_metadata,
@@ -42,6 +48,7 @@ from .read_share import (
     RankShare,
     ShareContext,
     UnitKey,
+    _dcp_wrapper,
     broadcast_blobs,
     exchange,
     plan_sharing,
@@ -51,9 +58,24 @@ from .read_share import (
 from .references import root_key, run_root
 from .resolve import open_backend
 
-__all__ = ["Reader", "ReaderOptions"]
+__all__ = ["RankReads", "Reader", "ReaderOptions"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankReads:
+    """What the coordinator of a load sends one rank in ``LoadPlan.storage_data``.
+
+    Attributes:
+        manifest: The integrity manifest cut to the items of this rank's plan
+            (:meth:`~dcpstore.manifest.Manifest.subset`); ``None``: the checkpoint has no
+            manifest, or the load does not verify.
+        share: This rank's part of the read-once schedule (``None``: no sharing).
+    """
+
+    manifest: Manifest | None
+    share: RankShare | None = None
 
 
 class Reader(StorageReader):
@@ -109,7 +131,17 @@ class Reader(StorageReader):
         self._transforms = _StorageReaderTransforms(extension_registry)
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._chunks: ChunkIndex = {}
+        self._metadata: Metadata | None = None
+        #: The integrity manifest: the whole one on the coordinator (and when reading
+        #: alone), on another rank of a ``dcp.load`` the records of its own reads, set
+        #: by ``read_data`` from its plan.
         self.manifest: Manifest | None = None
+        # another rank of a dcp.load: its manifest comes in its load plan
+        self._manifest_deferred = False
+        # what the coordinator broadcast: save id, .metadata record, references
+        self._manifest_header: Manifest | None = None
+        # size and CRC32C of the .metadata this rank read, checked against its manifest
+        self._metadata_digest: tuple[int, int] | None = None
         self.load_id = uuid.uuid4().hex
         #: Bytes fetched by the last ``read_data`` (coalescing gaps included).
         self.bytes_read = 0
@@ -163,6 +195,11 @@ class Reader(StorageReader):
             self.backend = self._rebind(str(checkpoint_id))
         self.storage_data = {}
         self.manifest = None
+        self._manifest_deferred = False
+        self._manifest_header = None
+        self._metadata_digest = None
+        self._metadata = None
+        self._chunks = {}
         self.metadata_error = None
         self._share = None
         self.load_id = uuid.uuid4().hex
@@ -188,10 +225,10 @@ class Reader(StorageReader):
         if metadata.storage_data is None:
             raise IntegrityError(f"{self.backend.uri}/.metadata has no storage_data")
         self.storage_data = metadata.storage_data
-        self._chunks = chunk_index(metadata)
+        self._metadata = metadata
         if not kwargs.get("use_collectives", True):
             self._share = None
-        if self.manifest is None and self.options.verify:
+        if self.manifest is None and self.options.verify and not self._manifest_deferred:
             # read_metadata ran on another object (e.g. metadata passed in directly)
             self.manifest = self._read_manifest(metadata)
         self._bind_references(metadata)
@@ -201,28 +238,44 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Give each byte range several ranks need to one of them (read once, share)."""
-        if self._share is None:
-            return plans
-        requests = [plan_reads(p.items, self.storage_data, self.manifest, self._chunks,
-                               uri=self.backend.uri) for p in plans]
-        shares = plan_sharing(requests)
-        if shares and shares[0].shared_bytes:
-            logger.info("%s: %d bytes needed by several ranks are fetched once and shared",
-                        self.backend.uri, shares[0].shared_bytes)
-        return [dataclasses.replace(p, storage_data=s)
-                for p, s in zip(plans, shares, strict=True)]
+        """Give each rank the manifest records of its reads and, with sharing, give each
+        byte range several ranks need to one of them (read once, share)."""
+        shares: list[RankShare | None] = [None] * len(plans)
+        if self._share is not None:
+            chunks = self._chunk_index(p.items for p in plans)
+            requests = [plan_reads(p.items, self.storage_data, self.manifest, chunks,
+                                   uri=self.backend.uri) for p in plans]
+            del chunks
+            shares = list(plan_sharing(requests))
+            del requests
+            first = shares[0]
+            if first is not None and first.shared_bytes:
+                logger.info("%s: %d bytes needed by several ranks are fetched once and "
+                            "shared", self.backend.uri, first.shared_bytes)
+        manifest = self.manifest
+        out = []
+        for plan, share in zip(plans, shares, strict=True):
+            mine = None
+            if manifest is not None:
+                infos = (self.storage_data.get(i.storage_index) for i in plan.items)
+                mine = manifest.subset((info.relative_path, info.offset)
+                                       for info in infos if info is not None)
+            out.append(dataclasses.replace(plan, storage_data=RankReads(mine, share)))
+        return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch, verify and deliver the items of this rank's ``plan``."""
-        requests = plan_reads(plan.items, self.storage_data, self.manifest, self._chunks,
-                              uri=self.backend.uri)
-        share = plan.storage_data if self._share is not None else None
-        if self._share is not None and not isinstance(share, RankShare):
+        reads = plan.storage_data if isinstance(plan.storage_data, RankReads) else None
+        share = reads.share if reads is not None and self._share is not None else None
+        if self._share is not None and share is None:
             raise DcpstoreError(
                 "the load plan carries no dcpstore read schedule (the planner's finish_plan "
                 "dropped LoadPlan.storage_data); load with broadcast_reads=False"
             )
+        manifest = self._plan_manifest(reads)
+        self._chunks = self._chunk_index([plan.items])
+        requests = plan_reads(plan.items, self.storage_data, manifest, self._chunks,
+                              uri=self.backend.uri)
         shared: dict[UnitKey, list[ItemRead]] = {}
         if share is not None:
             keys = {u.key for window in share.windows for u in window}
@@ -242,7 +295,7 @@ class Reader(StorageReader):
             source, name = self._run_root
             to_key = functools.partial(root_key, name)
             ranges = [dataclasses.replace(r, key=to_key(r.key)) for r in ranges]
-        delivery = Delivery(self.backend.uri, planner, self.manifest, self._chunks,
+        delivery = Delivery(self.backend.uri, planner, manifest, self._chunks,
                             self._transforms, allow_pickle=self.options.allow_pickle)
         try:
             if share is not None and self._share is not None:
@@ -275,15 +328,23 @@ class Reader(StorageReader):
                 f"{self.backend.uri}: rank-local metadata (use_collectives=False) is not "
                 "a dcpstore checkpoint format"
             )
+        self._manifest_header = self._metadata_digest = None
+        # another rank of a dcp.load gets the manifest records of its reads in its plan
+        self._manifest_deferred = self.options.verify and not self._is_coordinator()
         if self._share is not None:
             metadata, raw, self.manifest = self._shared_metadata(self._share)
         else:
             metadata, raw = load_metadata(self.backend,
                                           trusted=self.options.allow_unsafe_metadata,
                                           diagnose_missing=True)
-            self.manifest = self._read_manifest(metadata)
-        if self.manifest is not None:
-            self.manifest.check_metadata(raw, source=f"{self.backend.uri}/.metadata")
+            if not self._manifest_deferred:
+                self.manifest = self._read_manifest(metadata)
+        source = f"{self.backend.uri}/.metadata"
+        for manifest in (self.manifest, self._manifest_header):
+            if manifest is not None:
+                manifest.check_metadata(raw, source=source)
+        if self._manifest_deferred:
+            self._metadata_digest = (len(raw), crc32c(raw))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -307,10 +368,12 @@ class Reader(StorageReader):
                                           diagnose_missing=True)
             manifest = self._read_manifest(metadata)
             mine.extend((metadata, raw, manifest))
-            return [raw, None if manifest is None else manifest.to_bytes()]
+            # the other ranks get the item records of their reads in their load plans
+            return [raw, None if manifest is None else manifest.header().to_bytes()]
 
         raw, raw_manifest = broadcast_blobs(share, read, 2)
         if mine:
+            self._manifest_deferred = False
             return mine[0], mine[1], mine[2]
         assert raw is not None
         source = f"{self.backend.uri}/{layout.METADATA_KEY}"
@@ -324,6 +387,9 @@ class Reader(StorageReader):
             if manifest.save_id != save_id:
                 raise IntegrityError(f"{self.backend.uri}: the manifest belongs to save "
                                      f"{manifest.save_id}, not {save_id}")
+        if self._manifest_deferred:
+            self._manifest_header = manifest
+            return metadata, raw, None
         return metadata, raw, manifest
 
     def _bind_references(self, metadata: Metadata) -> None:
@@ -331,7 +397,7 @@ class Reader(StorageReader):
         run root they are read through."""
         if self._run_root is not None or not references_in(metadata):
             return
-        manifest = self.manifest
+        manifest = self.manifest or self._manifest_header
         if manifest is None:  # verify=False: still only the references the save made
             save_id = layout.save_id_of_metadata(metadata,
                                                  source=f"{self.backend.uri}/.metadata")
@@ -339,6 +405,45 @@ class Reader(StorageReader):
                                      hint=" (its references cannot be checked without it)")
         check_references(metadata, manifest, source=f"{self.backend.uri}/.metadata")
         self._run_root = run_root(self.backend)
+
+    def _is_coordinator(self) -> bool:
+        """Whether this rank reads the whole manifest: DCP's coordinator, or a reader
+        used outside a collective ``dcp.load``."""
+        wrapper = _dcp_wrapper(self)
+        return wrapper is None or not wrapper.use_dist or bool(wrapper.is_coordinator)
+
+    def _chunk_index(self, plans: Any) -> ChunkIndex:
+        """The saved chunks the read items of ``plans`` (iterables of items) read."""
+        if self._metadata is None:
+            raise DcpstoreError("read_data before set_up_storage_reader: no .metadata")
+        return chunk_index(self._metadata, (item.storage_index for items in plans
+                                            for item in items))
+
+    def _plan_manifest(self, reads: RankReads | None) -> Manifest | None:
+        """The manifest this rank verifies its reads against: its own (the coordinator,
+        or reading alone), else the records the coordinator put in its plan."""
+        if not self._manifest_deferred:
+            return self.manifest
+        source = f"{self.backend.uri}/.metadata"
+        if reads is None:
+            # a planner dropped the plan's storage_data: read the whole manifest here
+            assert self._metadata is not None
+            self.manifest = self._read_manifest(self._metadata)
+        else:
+            self.manifest = reads.manifest
+            save_id = getattr(self._metadata.storage_meta if self._metadata else None,
+                              "save_id", None)
+            if (self.manifest is None and isinstance(save_id, str)
+                    and save_id.startswith(SAVE_ID_PREFIX)):
+                raise IntegrityError(
+                    f"{self.backend.uri}: the load plan carries no integrity manifest for "
+                    f"save {save_id}, which has one; the coordinator loaded without "
+                    "verify: load with the same options on every rank"
+                )
+        self._manifest_deferred = False
+        if self.manifest is not None and self._metadata_digest is not None:
+            self.manifest.check_metadata_digest(*self._metadata_digest, source=source)
+        return self.manifest
 
     def _read_manifest(self, metadata: Metadata) -> Manifest | None:
         if not self.options.verify:
