@@ -241,12 +241,14 @@ def _read_many(backend: Any, key: str, payload: bytes, size: int) -> None:
         assert bytes(got[i]) == payload[r.offset:r.offset + r.length]
 
 
-THROTTLE_AT = 3
+# a store that serves one request at a time: the limit starts at 2, so overlapping
+# parts are throttled however fast this machine finishes them
+THROTTLE_AT = 1
 
 
 @pytest.mark.parametrize("store", ["seaweedfs", "gcs"], indirect=True)
 def test_a_throttling_store_halves_uploads_and_reads(store: Store) -> None:
-    """Beyond 3 requests in flight the store answers 503 (S3 SlowDown / GCS 503): both
+    """Beyond 1 request in flight the store answers 503 (S3 SlowDown / GCS 503): both
     directions back off, the proxy then sees no more than the limit allowed, data intact."""
     assert store.upstream is not None
     payload = os.urandom(24 * MiB if store.kind == "s3" else 6 * MiB)
