@@ -191,6 +191,15 @@ def _tune_case(system: str, op: str, seconds: list[float]) -> dict[str, Any]:
             "runs": [[{"seconds": t}, {"seconds": t / 2}] for t in seconds]}
 
 
+def _s3tc_grid() -> list[dict[str, Any]]:
+    """s3torchconnector tuning cases, save and load per point: (part, threads, s, s)."""
+    points = [("8MiB", 1, 3.0, 1.0), ("8MiB", 8, 2.0, 0.4), ("32MiB", 1, 2.9, 0.6),
+              ("32MiB", 8, 4.0, 0.5)]
+    return [_tune_case(f"s3torchconnector[part_size={part},thread_count={threads}]", op, [t])
+            for part, threads, save_s, load_s in points
+            for op, t in (("save", save_s), ("load", load_s))]
+
+
 def test_pick_best_per_operation() -> None:
     cases = [
         _tune_case("msc[part_size=8MiB,thread_count=1]", "save", [4.0, 3.0]),
@@ -209,14 +218,7 @@ def test_pick_best_per_operation() -> None:
     assert len(best["points"]) == 3
     # s3torchconnector's reader uses only the part size: points differing in threads are
     # one reader, judged by its fastest run
-    s3tc = [
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "save", [3.0]),
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "load", [1.0]),
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "save", [2.0]),
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "load", [0.4]),
-        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "save", [2.9]),
-        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "load", [0.6]),
-    ]
+    s3tc = _s3tc_grid()[:6]
     best = tuning.pick_best("s3torchconnector", s3tc, state_bytes=100_000_000)
     assert best["save"]["options"] == {"part_size": 8 * MiB, "thread_count": 8}
     assert best["load"]["options"] == {"part_size": 8 * MiB}
@@ -235,16 +237,7 @@ def test_pick_best_per_operation() -> None:
 
 
 def test_tuning_leaders_and_rounds_merge() -> None:
-    cases = [
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "save", [3.0]),
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=1]", "load", [1.0]),
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "save", [2.0]),
-        _tune_case("s3torchconnector[part_size=8MiB,thread_count=8]", "load", [0.4]),
-        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "save", [2.9]),
-        _tune_case("s3torchconnector[part_size=32MiB,thread_count=1]", "load", [0.6]),
-        _tune_case("s3torchconnector[part_size=32MiB,thread_count=8]", "save", [4.0]),
-        _tune_case("s3torchconnector[part_size=32MiB,thread_count=8]", "load", [0.5]),
-    ]
+    cases = _s3tc_grid()
     # 1 leader: the fastest save and the fastest reader's fastest point (the same one)
     assert tuning.leaders("s3torchconnector", cases, 1) == [
         "s3torchconnector[part_size=8MiB,thread_count=8]"]
