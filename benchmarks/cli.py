@@ -322,11 +322,20 @@ def build_plans(args: argparse.Namespace) -> list[StorePlan]:
         labels: list[str] = []
         skipped: dict[str, str] = {}
         for name in systems.DEFAULT_SYSTEMS[kind]:
-            if not _selected(name, args.systems):
+            # a bracket in --systems names a variant of a system as given
+            # (``dcpstore-s3[adaptive_concurrency=false]``: an A/B beside the defaults)
+            given = [systems.split_variant(p)[1] for p in args.systems or ()
+                     if "[" in p and systems.split_variant(p)[0] == name]
+            plain = not args.systems or _selected(
+                name, [p for p in args.systems if "[" not in p] or ["\0"])
+            if not plain and not given:
                 continue
             variants = {"limit-s3": args.limit_s3, "limit-gcs": args.limit_gcs,
                         "limit-local": args.limit_local}.get(name)
-            for label in ([f"{name}[{v}]" for v in variants] if variants else [name]):
+            if given:
+                variants = ([""] if plain and not variants else list(variants or [])) + given
+            for label in ([f"{name}[{v}]" if v else name for v in variants] if variants
+                          else [name]):
                 reason = systems.get(label).unavailable()
                 if reason:
                     skipped[label] = reason

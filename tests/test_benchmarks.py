@@ -109,6 +109,24 @@ def test_option_scopes() -> None:
     assert options_for(peers, "dcpstore-msc") == {"part_size": 16 * MiB}
 
 
+def test_dcpstore_ab_variants_run_beside_the_defaults() -> None:
+    """A bracket in --systems adds that variant of a system beside (or instead of) it,
+    with the bracket's options; targets judge only the unbracketed dcpstore system."""
+    from benchmarks.cli import build_plans
+
+    args = parse_args(["--stores", "seaweedfs", "--systems", "dcpstore-s3",
+                       "dcpstore-s3[adaptive_concurrency=false]", "limit-s3"])
+    (plan,) = build_plans(args)
+    assert plan.systems[:2] == ["dcpstore-s3", "dcpstore-s3[adaptive_concurrency=false]"]
+    assert any(label.startswith("limit-s3[") for label in plan.systems)
+    assert options_for({}, "dcpstore-s3[adaptive_concurrency=false]") == {
+        "adaptive_concurrency": False}
+    alone = parse_args(["--stores", "seaweedfs", "--systems", "dcpstore-s3[files_per_rank=1]"])
+    assert build_plans(alone)[0].systems == ["dcpstore-s3[files_per_rank=1]"]
+    with pytest.raises(KeyError, match="no tuned best"):
+        options_for({}, "dcpstore-s3[best]")
+
+
 def test_quick_and_full_defaults() -> None:
     quick = parse_args(["--quick"])
     assert (quick.runs, quick.sizes["seaweedfs"], quick.reshard) == (2, 32 * MiB, [1])
