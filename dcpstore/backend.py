@@ -85,7 +85,8 @@ from tenacity import (
 )
 from typing_extensions import Buffer
 
-from .concurrency import ConcurrencyLimit
+from .clients import shared_clients
+from .concurrency import ConcurrencyLimit, learnt_limits
 from .errors import DcpstoreError, InvalidURIError, StoreThrottledError
 from .uri import ParsedURI, validate_key
 
@@ -108,6 +109,8 @@ _LOCK_TYPES: dict[type, Callable[[], Any]] = {
 }
 #: Key of the client in ``Backend._resources``.
 _CLIENT = "client"
+#: Key of the shared client's cache key in ``Backend._resources``.
+_CLIENT_KEY = "client-key"
 
 
 @dataclass(frozen=True)
@@ -287,8 +290,26 @@ class Backend(abc.ABC):
     @property
     def client(self) -> Any:
         """The store's client, made by :meth:`_make_client` on first use (thread-safe),
-        shared by the backend's threads; dropped when pickled and by :meth:`close`."""
-        return self._lazy(_CLIENT, self._make_client)
+        shared by the backend's threads; dropped when pickled and by :meth:`close`.
+        Backends with equal :meth:`_client_key` share one client per process
+        (:mod:`dcpstore.clients`)."""
+        return self._lazy(_CLIENT, self._acquire_client)
+
+    def _client_key(self) -> Any:
+        """What makes this backend's client interchangeable with another's: backends
+        whose keys are equal share one client per process. ``None`` (the default): a
+        client of its own. A key holds everything the client is made from (endpoint,
+        client settings, the credential environment, hashed), never a secret."""
+        return None
+
+    def _acquire_client(self) -> Any:
+        key = self._client_key()
+        if key is None:
+            return self._make_client()
+        key = (type(self), key)
+        client = shared_clients.acquire(key, self._make_client, self._close_client)
+        self._resources[_CLIENT_KEY] = key  # called under _state_lock, by _lazy
+        return client
 
     def _lazy(self, name: str, factory: Callable[[], T]) -> T:
         """The per-backend state ``name``, made by ``factory`` on first use (double-checked
@@ -322,15 +343,23 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release threads, the client and idle upload buffers; the backend stays usable
-        (they are made again on use)."""
+        (they are made again on use). A shared client goes back to the process's cache
+        (:mod:`dcpstore.clients`), and where the adaptive concurrency limits settled is
+        kept for the next backend on the same store."""
         with self._state_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
         with self._state_lock:
             resources, self._resources = self._resources, {}
+        key = resources.get(_CLIENT_KEY)
+        if key is not None:  # the next backend on this store starts where these settled
+            for direction in ("upload", "read"):
+                limit = resources.get(f"concurrency-{direction}")
+                if limit is not None:
+                    learnt_limits.remember(key, direction, limit)
         client = resources.get(_CLIENT)  # buffers still in use go back to dropped pools
-        if client is not None:
+        if client is not None and (key is None or not shared_clients.release(key, client)):
             try:
                 self._close_client(client)
             except Exception as exc:  # closing must never fail a caller
@@ -591,9 +620,18 @@ class Backend(abc.ABC):
         parts, ``"read"``: ranged reads), shared by the backend's uploads or reads, made
         on first use (dropped when pickled and by :meth:`close`)."""
         o = self.options
-        return self._lazy(f"concurrency-{direction}", lambda: ConcurrencyLimit(
-            o.max_concurrency, adaptive=o.adaptive_concurrency,
-            name=f"{self.uri} {direction}"))
+
+        def make() -> ConcurrencyLimit:
+            key = self._client_key() if o.adaptive_concurrency else None
+            start = None if key is None else learnt_limits.recall((type(self), key),
+                                                                   direction)
+            if start is None and direction == "read":
+                # no slow start for reads: the ceiling bounds their buffers either way
+                start = o.max_concurrency
+            return ConcurrencyLimit(o.max_concurrency, adaptive=o.adaptive_concurrency,
+                                    initial=start, name=f"{self.uri} {direction}")
+
+        return self._lazy(f"concurrency-{direction}", make)
 
     def concurrency_figures(self) -> dict[str, dict[str, Any]]:
         """What the concurrency limits did since they were made (see

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KEEP_DECISIONS", "ConcurrencyLimit", "Decision"]
+__all__ = ["KEEP_DECISIONS", "ConcurrencyLimit", "Decision", "LearntLimits", "learnt_limits"]
 
 logger = logging.getLogger(__name__)
 
@@ -332,3 +332,41 @@ class ConcurrencyLimit:
         self._settled_latency = latency or None
         self._prev = (limit, throughput)
         self._set(limit, reason, throughput, now)
+
+
+class LearntLimits:
+    """Where the adaptive limits of a store settled, kept for the next backend on it.
+
+    A backend is often short-lived (``dcpstore.save`` / ``load`` and every
+    ``Checkpointer`` step open one), while the store's capacity is not: a new backend's
+    limit slow-starts from the level the last one on the same store and direction
+    settled on, instead of from 2 again (so a limit that a busy spell cut grows back
+    within a window or two). Kept per process, per store key (a backend's client key:
+    endpoint, credentials and client settings) and direction.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._limits: dict[tuple[Any, str], int] = {}
+
+    def recall(self, store: Any, direction: str) -> int | None:
+        """The limit last settled on for ``store`` and ``direction``, if any."""
+        with self._lock:
+            return self._limits.get((store, direction))
+
+    def remember(self, store: Any, direction: str, limit: ConcurrencyLimit) -> None:
+        """Keep where ``limit`` settled, once it decided something (an adaptive limit
+        that completed at least one window beyond its start)."""
+        if not limit.adaptive or not limit.counts:
+            return
+        with self._lock:
+            self._limits[(store, direction)] = limit.limit
+
+    def clear(self) -> None:
+        """Forget every learnt limit."""
+        with self._lock:
+            self._limits.clear()
+
+
+#: The learnt limits of this process.
+learnt_limits = LearntLimits()

@@ -36,7 +36,9 @@ The plugin's other modules: :mod:`~dcpstore_s3.options` (``S3Options``, S3's lim
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -230,6 +232,15 @@ class S3Backend(Backend):
             self._bytes_out += bytes_out
 
     # -- client ----------------------------------------------------------------------------
+
+    def _client_key(self) -> Any:
+        """Backends with the same client settings and AWS environment share a client
+        (the environment is hashed: the key holds no secret)."""
+        o = self.options
+        aws_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+        return (o.endpoint_url, o.region, o.profile, o.addressing_style, o.anonymous,
+                o.unsigned_payload, o.connect_timeout, o.timeout, o.max_concurrency,
+                hashlib.sha256(repr(aws_env).encode()).hexdigest())
 
     def _make_client(self) -> Any:
         o = self.options
