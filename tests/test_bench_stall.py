@@ -292,3 +292,22 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     # the local store holds nothing after the run
     leftovers = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
     assert not leftovers, leftovers[:5]
+
+
+def test_cuda_stall_smoke_on_cpu(tmp_path: Path) -> None:
+    """``benchmarks.cuda_stall`` (the GPU-resident variant of the suite) runs end to end
+    on the CPU, checks the last step bit-exact and writes its report; a save that wrote
+    the values of the step after it would fail the check."""
+    from benchmarks import cuda_stall
+
+    out = tmp_path / "out"
+    rc = cuda_stall.main(["--quick", "--device", "cpu", "--root", str(tmp_path / "ckpt"),
+                          "--systems", "dcpstore[blocking]", "dcpstore[thread-pinned]",
+                          "torch-async[thread]", "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [r["system"] for r in result["systems"]] == [
+        "dcpstore[blocking]", "dcpstore[thread-pinned]", "torch-async[thread]"]
+    assert all(r["bit_exact"] and len(r["blocked_s"]) == 2 for r in result["systems"])
+    assert result["copy_limit_s"] > 0
+    assert "| dcpstore[thread-pinned] |" in (out / "results.md").read_text()

@@ -1,0 +1,356 @@
+"""``python -m benchmarks.cuda_stall``: how long a checkpoint of GPU-resident state blocks
+training, on one GPU.
+
+The stall suite (:mod:`benchmarks.stall`) keeps its state on the CPU, so its pinned
+staging rows say "n/a" without CUDA and never copy device-to-host. This is the same
+question for a state that lives on the GPU, as a trainer's does: one process, one GPU,
+``--size`` bytes of parameters in ``--tensors`` CUDA tensors, ``--saves`` checkpoints to
+a local directory with a GPU training step of fixed work between them (every parameter
+modified in place, then matmuls for about ``--compute-s`` seconds).
+
+Per save it records how long ``save`` **blocked** the host, and how much longer the next
+training step took than the same step without a checkpoint (**step delay**: a copy still
+running on a side stream delays the GPU work queued behind it, which a host timer alone
+would miss). The last save's **durable** time runs from its start until the background
+write is done. The last step is loaded back into zeroed GPU tensors and compared
+bit-exact with a copy taken just before it was saved, so a save that returned before it
+had really snapshotted the state (and then wrote values the following step modified)
+fails.
+
+Systems: ``copy-limit`` (one device-to-host copy of every tensor into pinned memory
+allocated once, the fastest of 3), ``dcpstore[blocking]``, ``dcpstore[thread-pinned]``
+(``Checkpointer(async_mode="thread")`` staging into pinned memory),
+``dcpstore[thread-pinned-async]`` (the same with ``use_async_staging``: ``save`` returns
+once the copies are queued on a side stream), ``dcpstore[process]`` (a background writer
+process, shared-memory staging), and torch's ``dcp.async_save`` with
+``FileSystemWriter(sync_files=True)``: ``torch-async[thread]`` (its default staging) and
+``torch-async[thread-pinned]`` (a ``DefaultStager`` with pinned memory and async
+staging, waiting for its ``staging_completion`` before training goes on, as torch
+documents). Without CUDA (``--device cpu``, the smoke test) the pinned options are
+ignored and the figures mean little.
+
+Examples::
+
+    python -m benchmarks.cuda_stall --size 4GiB --out benchmarks/results/cuda-stall
+    python -m benchmarks.cuda_stall --quick --device cpu      # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .workload import format_bytes, parse_size
+
+__all__ = ["SYSTEMS", "main", "render_markdown"]
+
+logger = logging.getLogger(__name__)
+
+#: The systems, in the order they run.
+SYSTEMS = ("copy-limit", "dcpstore[blocking]", "dcpstore[thread-pinned]",
+           "dcpstore[thread-pinned-async]", "dcpstore[process]", "torch-async[thread]",
+           "torch-async[thread-pinned]")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_state(nbytes: int, tensors: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` float32 tensors of about ``nbytes`` together, random, on ``device``."""
+    per = max(1, nbytes // tensors // 4)
+    cols = 1024
+    rows = max(1, per // cols)
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(rows, cols, generator=gen, device=device)
+            for i in range(tensors)}
+
+
+class _Step:
+    """A training step of fixed GPU work: modify every parameter in place, then matmuls."""
+
+    def __init__(self, state: dict[str, torch.Tensor], device: torch.device,
+                 compute_s: float) -> None:
+        self.state = state
+        self.device = device
+        size = 2048 if device.type == "cuda" else 256
+        self.a = torch.randn(size, size, device=device)
+        self.iters = 1
+        self.iters = max(1, int(compute_s / max(self._time(), 1e-6)))
+
+    def _time(self) -> float:
+        self.run()  # warm-up
+        start = time.perf_counter()
+        self.run()
+        return time.perf_counter() - start
+
+    def run(self) -> float:
+        """One step; returns its wall seconds, the GPU work included."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            for t in self.state.values():
+                t.add_(1.0)
+            b = self.a
+            for _ in range(self.iters):
+                b = torch.mm(self.a, b).clamp_(-1, 1)
+        _sync(self.device)
+        return time.perf_counter() - start
+
+
+class _Saver:
+    """One system's saves into ``root``."""
+
+    def __init__(self, system: str, root: str) -> None:
+        self.system = system
+        self.root = root
+        self.ckpt: Any = None
+        self.pending: Any = None
+        if system.startswith("dcpstore"):
+            import dcpstore
+            from dcpstore.staging import StagingOptions
+
+            variant = system[len("dcpstore["):-1]
+            mode = None if variant == "blocking" else variant.split("-")[0]
+            staging = None
+            if "pinned" in variant:
+                staging = StagingOptions(use_pinned_memory=True,
+                                         use_async_staging=variant.endswith("async"))
+            self.ckpt = dcpstore.Checkpointer(root, keep_last=1, async_mode=mode,
+                                              staging=staging)
+        else:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self.stager = (DefaultStager(StagingOptions(cuda, False, cuda, cuda))
+                           if system.endswith("pinned]") else None)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step:09d}")
+
+    def save(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        if self.ckpt is not None:
+            self.ckpt.save(step, state)
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self.wait()  # torch allows one async save in flight
+        response = dcp.async_save(
+            state, checkpoint_id=self.step_dir(step),
+            storage_writer=FileSystemWriter(self.step_dir(step), sync_files=True),
+            async_stager=self.stager, no_dist=True)
+        staging = getattr(response, "staging_completion", None)
+        if staging is not None:
+            staging.result()  # the state is only safe to modify once staged
+        self.pending = getattr(response, "upload_completion", response)
+        if step > 1:  # keep the last step only, as keep_last=1 does
+            shutil.rmtree(self.step_dir(step - 1), ignore_errors=True)
+
+    def wait(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait()
+        elif self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def load(self, step: int, out: dict[str, torch.Tensor]) -> None:
+        if self.ckpt is not None:
+            self.ckpt.load(out, step=step)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(out, checkpoint_id=self.step_dir(step), no_dist=True)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        elif self.stager is not None:
+            self.stager.close()
+
+
+def copy_limit(state: dict[str, torch.Tensor], device: torch.device,
+               repeats: int = 3) -> float:
+    """Seconds of the fastest device-to-host copy of ``state`` into pinned memory
+    allocated (and faulted in) once."""
+    pin = device.type == "cuda"
+    arena = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
+    for t in arena.values():
+        t.zero_()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for k, v in state.items():
+            arena[k].copy_(v, non_blocking=pin)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_system(system: str, state: dict[str, torch.Tensor], step: _Step, saves: int,
+               root: str, baseline_step: float) -> dict[str, Any]:
+    """``saves`` saves of ``system`` with a training step after each; the figures."""
+    device = step.device
+    saver = _Saver(system, root)
+    blocked: list[float] = []
+    delay: list[float] = []
+    snapshot: dict[str, torch.Tensor] = {}
+    durable_last = 0.0
+    try:
+        for n in range(1, saves + 1):
+            if n == saves:  # what the last step must load back
+                snapshot = {k: v.clone() for k, v in state.items()}
+            _sync(device)
+            start = time.perf_counter()
+            saver.save(n, state)
+            blocked.append(time.perf_counter() - start)
+            delay.append(max(0.0, step.run() - baseline_step))
+            if n == saves:
+                saver.wait()
+                durable_last = time.perf_counter() - start
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        saver.load(saves, out)
+        exact = all(torch.equal(out[k], snapshot[k]) for k in state)
+    finally:
+        saver.close()
+        shutil.rmtree(root, ignore_errors=True)
+    steady = slice(1, None) if saves > 1 else slice(None)
+    return {
+        "system": system,
+        "blocked_s": blocked,
+        "step_delay_s": delay,
+        "blocked_steady_median_s": statistics.median(blocked[steady]),
+        "stall_steady_median_s": statistics.median(
+            b + d for b, d in zip(blocked[steady], delay[steady], strict=True)),
+        "durable_last_s": durable_last,
+        "bit_exact": exact,
+    }
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The results as a Markdown report."""
+    cfg = result["config"]
+    limit = result["copy_limit_s"]
+    lines = [
+        "# CUDA stall: GPU-resident state, one GPU",
+        "",
+        f"{result['device_name']}, {format_bytes(result['state_bytes'])} in "
+        f"{cfg['tensors']} float32 tensors, {cfg['saves']} saves with a "
+        f"{result['baseline_step_s']:.3f} s training step between them, local disk "
+        f"`{cfg['root']}`; torch {result['torch']}, commit {result.get('commit') or '?'}. "
+        "Steady = saves 2..N.",
+        "",
+        f"copy limit (device-to-host into pinned memory allocated once, fastest of 3): "
+        f"**{limit:.3f} s** ({result['state_bytes'] / limit / 1e9:.1f} GB/s)",
+        "",
+        "| system | blocked s, steady (x copy limit) | + next step's delay = stall s | "
+        "durable s, last save | last step bit-exact |",
+        "|---|--:|--:|--:|:-:|",
+    ]
+    for r in result["systems"]:
+        if "error" in r:
+            lines.append(f"| {r['system']} | failed: {r['error']} | | | |")
+            continue
+        b = r["blocked_steady_median_s"]
+        lines.append(
+            f"| {r['system']} | {b:.3f} ({b / limit:.2f}x) | {r['stall_steady_median_s']:.3f}"
+            f" | {r['durable_last_s']:.2f} | {'yes' if r['bit_exact'] else '**NO**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str | None:
+    try:
+        import subprocess
+
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cuda_stall",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="4GiB", help="state size (default 4GiB)")
+    p.add_argument("--tensors", type=int, default=64, help="tensors (default 64)")
+    p.add_argument("--saves", type=int, default=5, help="saves per system (default 5)")
+    p.add_argument("--compute-s", type=float, default=2.0,
+                   help="seconds of GPU work per training step (default 2)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir)")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--quick", action="store_true",
+                   help="16 MiB, 4 tensors, 2 saves, 0.05 s steps (a smoke test)")
+    p.add_argument("--out", default=None, help="directory for results.json / results.md")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.tensors, args.saves, args.compute_s = "16MiB", 4, 2, 0.05
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every system; write the results. Exit 1 if a load was not bit-exact or a
+    system failed."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device)
+    state = build_state(parse_size(args.size), args.tensors, device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    root = args.root or tempfile.mkdtemp(prefix="dcpstore-cuda-stall-")
+    step = _Step(state, device, args.compute_s)
+    baseline = statistics.median(step.run() for _ in range(3))
+    result: dict[str, Any] = {
+        "config": {**vars(args), "root": root}, "state_bytes": nbytes,
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or "cpu"),
+        "torch": torch.__version__, "commit": _commit(), "baseline_step_s": baseline,
+        "copy_limit_s": copy_limit(state, device), "systems": [],
+    }
+    print(f"{format_bytes(nbytes)} on {result['device_name']}: copy limit "
+          f"{result['copy_limit_s']:.3f} s, training step {baseline:.3f} s", flush=True)
+    ok = True
+    runners: dict[str, Callable[[], dict[str, Any]]] = {
+        name: (lambda name=name: run_system(name, state, step, args.saves,
+                                            os.path.join(root, name), baseline))
+        for name in args.systems if name != "copy-limit"}
+    for name, run in runners.items():
+        try:
+            r = run()
+            ok = ok and r["bit_exact"]
+        except Exception as exc:  # a system that cannot run here is reported, not fatal
+            logger.exception("%s failed", name)
+            r = {"system": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            ok = False
+        result["systems"].append(r)
+        print(f"{name}: " + (r.get("error") or (
+            f"blocked {r['blocked_steady_median_s']:.3f} s, stall "
+            f"{r['stall_steady_median_s']:.3f} s, durable {r['durable_last_s']:.2f} s, "
+            f"bit-exact {r['bit_exact']}")), flush=True)
+    report = render_markdown(result)
+    print(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "results.md").write_text(report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
