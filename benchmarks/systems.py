@@ -274,13 +274,29 @@ class Dcpstore(DCPSystem):
         """Options that point the backend at the store (endpoint, config)."""
         return {}
 
-    def _options(self, ctx: OpContext, own: type[Any]) -> dict[str, Any]:
+    def variant_options(self) -> dict[str, Any]:
+        """A bracket's options (an A/B variant of the defaults): dcpstore options only."""
+        import dcpstore
+        from dcpstore.options import option_names
+
+        opts = super().variant_options()
+        known = (self._backend_option_names() | option_names(dcpstore.WriterOptions)
+                 | option_names(dcpstore.ReaderOptions))
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ValueError(f"{self.label}: not a dcpstore option: {', '.join(unknown)}")
+        return opts
+
+    def _backend_option_names(self) -> set[str]:
         from dcpstore.options import option_names
         from dcpstore.registry import backend_class
-        from dcpstore.uri import parse_uri
 
-        backend_cls = backend_class(parse_uri(self.uri(ctx)).scheme)
-        allowed = option_names(own) | option_names(backend_cls.Options)
+        return option_names(backend_class(self.scheme).Options)
+
+    def _options(self, ctx: OpContext, own: type[Any]) -> dict[str, Any]:
+        from dcpstore.options import option_names
+
+        allowed = option_names(own) | self._backend_option_names()
         opts = self.base_options(ctx)
         opts.update({k: v for k, v in ctx.options.items() if k in allowed})
         return opts
@@ -324,6 +340,7 @@ class Dcpstore(DCPSystem):
 
 class DcpstoreLocal(Dcpstore):
     name = "dcpstore-local"
+    scheme = "file"
     kinds = ("local",)
     requires = ("dcpstore",)
     description = "dcpstore, local backend (fsync on)"
@@ -334,6 +351,7 @@ class DcpstoreLocal(Dcpstore):
 
 class DcpstoreS3(Dcpstore):
     name = "dcpstore-s3"
+    scheme = "s3"
     kinds = ("s3",)
     requires = ("dcpstore_s3", "botocore")
     description = "dcpstore, S3 backend (botocore)"
@@ -347,6 +365,7 @@ class DcpstoreS3(Dcpstore):
 
 class DcpstoreMSC(Dcpstore):
     name = "dcpstore-msc"
+    scheme = "msc"
     kinds = ("s3",)
     requires = ("dcpstore_msc", "multistorageclient")
     description = "dcpstore, MSC backend (same MSC profile as msc)"
@@ -360,6 +379,7 @@ class DcpstoreMSC(Dcpstore):
 
 class DcpstoreGCS(Dcpstore):
     name = "dcpstore-gcs"
+    scheme = "gs"
     kinds = ("gcs",)
     requires = ("dcpstore_gcs", "gcsfs")
     description = "dcpstore, GCS backend"

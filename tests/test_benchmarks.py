@@ -125,6 +125,8 @@ def test_dcpstore_ab_variants_run_beside_the_defaults() -> None:
     assert build_plans(alone)[0].systems == ["dcpstore-s3[files_per_rank=1]"]
     with pytest.raises(KeyError, match="no tuned best"):
         options_for({}, "dcpstore-s3[best]")
+    with pytest.raises(KeyError, match="not a dcpstore option: thread_count"):
+        systems.get("dcpstore-s3[thread_count=4]")  # a peer's option, not dcpstore's
 
 
 def test_quick_and_full_defaults() -> None:
