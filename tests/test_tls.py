@@ -1,13 +1,14 @@
 """The stand-ins over HTTPS (``tls=`` of :mod:`dcpstore.testing.servers`), as real object
 stores are reached: each one serves a certificate of a throwaway CA, dcpstore saves and
 loads through it when the CA is trusted, a client without the CA is refused, the
-counting proxy counts through TLS.
+counting proxy counts through TLS, and the benchmark's ``--tls`` runs end to end.
 
 Every server here binds to 127.0.0.1 and is started once for this module (one CA).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 import subprocess
@@ -194,3 +195,43 @@ def test_counting_proxy_over_tls(tls: TLSFiles, s3_tls: S3Server) -> None:
         stats = proxy.snapshot()
         assert stats.requests["PUT"] == 1 and stats.requests["GET"] == 1, stats.requests
         assert stats.bytes_up >= len(body) and stats.bytes_down >= len(body)
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_quick_tls_end_to_end(tmp_path: Path) -> None:
+    """``python -m benchmarks --tls``: SeaweedFS and fake-gcs-server over HTTPS, every
+    client stack (botocore, s3fs, MSC, s3torchconnector's CRT, gcsfs and dcpstore over
+    aiohttp) saving and loading through it, the counting runs through the TLS proxy,
+    and the TLS setting stated per system."""
+    out = tmp_path / "tls"
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--tls", "--stores", "seaweedfs",
+           "gcs", "--no-tune", "--reshard", "--runs", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_child_env({}), capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["config"]["tls"] is True
+    assert all("not installed" in s["reason"] for s in result["skipped"]), result["skipped"]
+    expected = {"seaweedfs": {"dcpstore-s3", "torch-fsspec-s3", "s3torchconnector", "msc",
+                              "dcpstore-msc"},
+                "gcs": {"dcpstore-gcs", "torch-fsspec-gcs"}}
+    for store, info in result["stores"].items():
+        assert info["tls"] is True and info["endpoint_url"].startswith("https://"), store
+        assert expected[store] <= set(info["systems"]), (store, info["systems"])
+        for label, settings in info["settings"].items():
+            assert settings["tls"].startswith("HTTPS, CA via "), (store, label, settings)
+    trust = result["stores"]["seaweedfs"]["settings"]
+    assert "AWS_CA_BUNDLE" in trust["dcpstore-s3"]["tls"]
+    assert "SSL_CERT_FILE" in trust["s3torchconnector"]["tls"]
+    assert "SSL_CERT_FILE" in result["stores"]["gcs"]["settings"]["dcpstore-gcs"]["tls"]
+    for case in result["cases"]:
+        where = (case["store"], case["system"], case["op"])
+        assert not case["errors"] and case["summary"]["ok"], where
+        if case["op"] == "load":
+            assert case["summary"]["verified"] is True, where
+        if not case["summary"]["is_limit"]:  # counted through the TLS proxy
+            assert case["summary"]["requests"], where
+    md = (out / "results.md").read_text()
+    assert "| store | system | TLS |" in md and "HTTPS, CA via AWS_CA_BUNDLE" in md
+    # the CA stays out of the results
+    assert not list(out.rglob("*.pem"))
