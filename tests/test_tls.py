@@ -9,6 +9,7 @@ Every server here binds to 127.0.0.1 and is started once for this module (one CA
 from __future__ import annotations
 
 import json
+import logging
 import os
 import ssl
 import subprocess
@@ -123,7 +124,7 @@ def test_s3_over_tls(s3_tls: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     del env["AWS_CA_BUNDLE"]
     isolate_env(monkeypatch, env)
     with pytest.raises(ConnectionError, match="TLS handshake.*CERTIFICATE_VERIFY_FAILED"):
-        dcpstore.save(state, uri, **opts)
+        dcpstore.save(state, uri, **opts)  # one attempt: not retried (see the GCS test)
 
     isolate_env(monkeypatch, s3_tls.env())
     dcpstore.save(state, uri, **opts)
@@ -151,7 +152,8 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return scrubbed_environ(extra={"PYTHONPATH": path, **extra})
 
 
-def test_gcs_over_tls(gcs_tls: FakeGCSServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gcs_over_tls(gcs_tls: FakeGCSServer, monkeypatch: pytest.MonkeyPatch,
+                      caplog: pytest.LogCaptureFixture) -> None:
     """dcpstore's GCS backend saves and loads over HTTPS in a process started with
     ``SSL_CERT_FILE`` (aiohttp takes its default trust when it is imported), and this
     process, which trusts only the system's CAs, is refused."""
@@ -170,9 +172,12 @@ def test_gcs_over_tls(gcs_tls: FakeGCSServer, monkeypatch: pytest.MonkeyPatch) -
     if os.environ.get("SSL_CERT_FILE") == gcs_tls.ca_bundle:  # pragma: no cover
         pytest.fail("this process must not trust the throwaway CA")
     isolate_env(monkeypatch)
-    with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+    # not retried: an untrusted certificate fails the same way every time
+    with caplog.at_level(logging.WARNING, logger="dcpstore"), pytest.raises(
+            ConnectionError, match="TLS handshake.*CERTIFICATE_VERIFY_FAILED"):
         dcpstore.save(_state(), f"gs://{BUCKET}/tls/refused", endpoint_url=gcs_tls.endpoint_url,
-                      token="anon", max_attempts=1)
+                      token="anon", retry_backoff=0.01)
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
 
 
 def test_counting_proxy_over_tls(tls: TLSFiles, s3_tls: S3Server) -> None:
