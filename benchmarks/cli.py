@@ -14,6 +14,7 @@ Examples::
     python -m benchmarks --opt s3.part_size=64MiB --opt s3.max_concurrency=8
     python -m benchmarks --stores seaweedfs --systems msc --grid thread_count=1,8
     python -m benchmarks --opt s3torchconnector.part_size=32MiB --no-tune
+    python -m benchmarks --quick --tls --stores seaweedfs gcs   # over HTTPS
 
 Each peer runs at its defaults and, after a short tuning phase over a small grid
 (:mod:`benchmarks.tuning`), at its best setting as ``<peer>[best]``; the runs of a
@@ -36,8 +37,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dcpstore.testing.tls import TLSFiles, throwaway_tls
 
 from . import report, systems, tuning
 from .ranks import RankPool
@@ -223,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one extra untimed run per system (not the limits) through a "
                         "counting proxy "
                         "(default: on)")
+    p.add_argument("--tls", action="store_true",
+                   help="serve every store over HTTPS (a certificate for 127.0.0.1 from a "
+                        "throwaway CA made at start-up) and have every client trust that "
+                        "CA (AWS_CA_BUNDLE, SSL_CERT_FILE), as real object stores are "
+                        "reached; the counting proxy serves HTTPS too")
     p.add_argument("--evict-cache", action="store_true",
                    help="cold loads: drop the page cache of the local checkpoint and of "
                         "SeaweedFS's data files before every load, for every system "
@@ -557,11 +566,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         return render(args.render)
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+    with tls_material(args.tls) as tls:
+        return _run(args, argv, tls)
+
+
+@contextlib.contextmanager
+def tls_material(enabled: bool) -> Iterator[TLSFiles | None]:
+    """``--tls``: a throwaway CA and a server certificate for 127.0.0.1 in a temporary
+    directory (removed on exit, never under ``--out``), its client variables
+    (:meth:`TLSFiles.client_env`) set in this process's environment before the ranks
+    are spawned, so that every client in them trusts it (aiohttp reads
+    ``SSL_CERT_FILE`` when it is imported); ``None`` without ``--tls``."""
+    if not enabled:
+        yield None
+        return
+    with throwaway_tls() as tls:
+        env = tls.client_env()
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            yield tls
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None, tls: TLSFiles | None) -> int:
+    """The benchmark proper (after the arguments and ``--tls``'s CA)."""
     plans = build_plans(args)
     quiet = quiet_check()
     started = time.time()
     print(f"dcpstore benchmark, {args.mode} mode: {args.world_size} ranks, {args.runs} run(s) "
           f"per case (order seed {args.order_seed}), results in {args.out}")
+    if tls is not None:
+        print("  TLS: every store over HTTPS (throwaway CA; clients trust it through "
+              "AWS_CA_BUNDLE / SSL_CERT_FILE, per system in results.md)")
     if quiet["warning"]:
         print(f"  WARNING: {quiet['warning']}")
     if args.runs % 2:
@@ -598,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             pools[size] = RankPool(size)
         with Stores([p.name for p in plans], args.out, local_dir=args.local_dir,
                     count_requests=args.count_requests, msc_part_sizes=tuple(msc_parts),
-                    budgets={"seaweedfs": args.server_budget_bytes}) as stores:
+                    budgets={"seaweedfs": args.server_budget_bytes}, tls=tls) as stores:
             def progress(line: str) -> None:
                 print(line, flush=True)
 
@@ -691,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
                    "all_limits": args.all_limits,
                    "tune_stores": args.tune_stores,
                    "tune_size": args.tune_bytes, "grid": grid_values,
-                   "count_requests": args.count_requests, "evict_cache": args.evict_cache},
+                   "count_requests": args.count_requests, "evict_cache": args.evict_cache,
+                   "tls": args.tls},
         "stores": stores_info,
         "tuning": tuned,
         "skipped": [{"store": p.name, "system": k, "reason": v}
@@ -706,7 +749,11 @@ def system_settings(args: argparse.Namespace, store: str, label: str,
                     tuned: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What a system ran with on ``store``: request settings and save / load options."""
     system = systems.get(label)
-    return {**system.settings(),
+    trust = system.tls_trust()
+    tls = {} if trust is None or STORE_KINDS[store] == "local" else {
+        "tls": f"HTTPS, CA via {trust}" if getattr(args, "tls", False)
+        else "off (plain HTTP)"}
+    return {**system.settings(), **tls,
             "save options": options_for(args.options, label, "save", tuned.get(store)),
             "load options": options_for(args.options, label, "load", tuned.get(store))}
 

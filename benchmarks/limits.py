@@ -60,7 +60,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from .systems import OpContext, Operation, System
+from .systems import TLS_TRUST, OpContext, Operation, System
 from .workload import RankState, format_bytes, parse_size
 
 __all__ = [
@@ -420,6 +420,9 @@ class LimitS3(_PartLimit):
         self.client_kind = kind
         super().configure(rest)
 
+    def tls_trust(self) -> str | None:
+        return TLS_TRUST["crt" if self.client_kind == "crt" else "botocore"]
+
     def unavailable(self) -> str | None:
         import importlib.util
 
@@ -656,9 +659,11 @@ def _socket_readinto(body: Any, out: memoryview) -> int:
 
 
 class _CRT:
-    """An ``awscrt.s3.S3Client`` for one store: plain HTTP (TLS off, as every client
-    here), SigV4 with ``UNSIGNED-PAYLOAD`` (awscrt's default S3 signing) and no
-    checksums, at most ``concurrency`` connections per request."""
+    """An ``awscrt.s3.S3Client`` for one store: plain HTTP, or HTTPS for an ``https://``
+    endpoint (``--tls``; the CRT's default trust store, which takes the throwaway CA
+    from ``SSL_CERT_FILE`` like s3torchconnector's CRT client), SigV4 with
+    ``UNSIGNED-PAYLOAD`` (awscrt's default S3 signing) and no checksums, at most
+    ``concurrency`` connections per request."""
 
     def __init__(self, ctx: OpContext, part_size: int, concurrency: int) -> None:
         import urllib.parse
@@ -668,8 +673,8 @@ class _CRT:
         from awscrt.s3 import S3Client, S3RequestTlsMode
 
         url = urllib.parse.urlsplit(ctx.store.endpoint_url or "")
-        if url.scheme != "http" or not url.netloc:
-            raise ValueError(f"the CRT limit needs an http:// endpoint, got "
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"the CRT limit needs an http:// or https:// endpoint, got "
                              f"{ctx.store.endpoint_url!r}")
         self.host = url.netloc
         env = ctx.store.env
@@ -680,7 +685,8 @@ class _CRT:
         self.concurrency = concurrency
         self.client = S3Client(
             bootstrap=bootstrap, region=ctx.store.region, credential_provider=credentials,
-            tls_mode=S3RequestTlsMode.DISABLED, part_size=part_size,
+            tls_mode=(S3RequestTlsMode.ENABLED if url.scheme == "https"
+                      else S3RequestTlsMode.DISABLED), part_size=part_size,
             multipart_upload_threshold=part_size,
             max_active_connections_override=concurrency)
 
@@ -765,6 +771,7 @@ class LimitGCS(_PartLimit):
     requires = ("aiohttp",)
     default_variant = "32MiBx8"
     description = "aiohttp to the JSON API: part-size objects, concurrent"
+    client_stack = "aiohttp"
 
     def _names(self, ctx: OpContext, count: int) -> list[str]:
         return [f"{ctx.path}/limit_{ctx.rank}/p{i:05d}" for i in range(count)]

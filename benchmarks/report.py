@@ -522,19 +522,21 @@ def _options_text(opts: dict[str, Any] | None) -> str:
 
 
 def _settings_section(result: dict[str, Any]) -> list[str]:
-    """Per store: each system's request settings and the options it ran with."""
+    """Per store: each system's transport (TLS), request settings and the options it
+    ran with (a run from before ``--tls`` existed has no TLS entry: ``—``)."""
     rows = []
     for store, info in result["stores"].items():
         for label, st in (info.get("settings") or {}).items():
             rows.append("| " + " | ".join([
-                store, label, st.get("payload", "—"), st.get("request checksums", "—"),
-                st.get("response checksums", "—"), _options_text(st.get("save options")),
+                store, label, st.get("tls", "—"), st.get("payload", "—"),
+                st.get("request checksums", "—"), st.get("response checksums", "—"),
+                _options_text(st.get("save options")),
                 _options_text(st.get("load options"))]) + " |")
     if not rows:
         return []
     return ["## Settings per system", "",
-            "| store | system | payload | request checksums | response checksums | save "
-            "options | load options |", "|---|---|---|---|---|---|---|", *rows, ""]
+            "| store | system | TLS | payload | request checksums | response checksums "
+            "| save options | load options |", "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def _tuning_section(result: dict[str, Any]) -> list[str]:

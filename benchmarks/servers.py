@@ -11,6 +11,14 @@ The servers are the test suite's own (:mod:`dcpstore.testing.servers`), bound to
 untimed counting runs. Every client gets the server's credentials the same way: the
 ``AWS_*`` environment variables of :meth:`S3Server.env` (endpoints are passed to each
 client explicitly, since not all of them read ``AWS_ENDPOINT_URL``).
+
+With ``tls`` (``--tls``) every server serves HTTPS only, with a certificate for
+127.0.0.1 issued by one throwaway CA for the whole run (:mod:`dcpstore.testing.tls`),
+and every client trusts that CA the same way, through the store's environment:
+``AWS_CA_BUNDLE`` (botocore, boto3, aiobotocore/s3fs, MSC) and ``SSL_CERT_FILE``
+(aiohttp for gcsfs, dcpstore's GCS backend and the GCS limit; the CRT clients of
+s3torchconnector and the CRT limit). The counting proxy then serves HTTPS with the same
+certificate and reaches its server over HTTPS, so the counted runs go through TLS too.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import copy
 import logging
 import os
 import shutil
+import ssl
 import tempfile
 import urllib.parse
 import urllib.request
@@ -34,6 +43,7 @@ from dcpstore.testing.servers import (
     moto_server,
     seaweedfs_server,
 )
+from dcpstore.testing.tls import TLSFiles
 
 from . import pagecache
 
@@ -61,13 +71,16 @@ class StoreInfo:
         kind: ``local``, ``s3`` or ``gcs``.
         root: The directory (local) or the bucket (servers).
         endpoint_url: ``http://127.0.0.1:<port>`` of the server (or of its counting
-            proxy in :meth:`counted`).
+            proxy in :meth:`counted`); ``https://`` under TLS.
         region: Region clients sign for.
-        env: Environment variables every client of this store gets (credentials).
+        env: Environment variables every client of this store gets (credentials; under
+            TLS also the CA: ``AWS_CA_BUNDLE`` and ``SSL_CERT_FILE``).
         msc_config: Path of the MSC configuration with this store's profiles.
         msc_profile: MSC profile reaching the server directly.
         msc_profile_counted: MSC profile reaching it through the counting proxy.
         proxy_url: The counting proxy's endpoint (``None`` when counting is off).
+        ca_bundle: The CA a client must trust to reach the store over HTTPS (``None``:
+            plain HTTP, or the local store).
     """
 
     name: str
@@ -80,6 +93,7 @@ class StoreInfo:
     msc_profile: str | None = None
     msc_profile_counted: str | None = None
     proxy_url: str | None = None
+    ca_bundle: str | None = None
 
     def counted(self) -> StoreInfo:
         """The same store reached through its counting proxy."""
@@ -101,12 +115,15 @@ class Stores:
         msc_part_sizes: Part sizes MSC profiles are also written for (profile
             ``<profile>-part<bytes>``: ``multipart_threshold`` and ``multipart_chunksize``
             of that size), for the ``msc`` peer's tuning grid.
+        tls: Serve every server (and counting proxy) over HTTPS with a certificate of
+            this CA (``None``: plain HTTP); clients get :meth:`TLSFiles.client_env`.
     """
 
     def __init__(self, names: list[str], workdir: Path, *, local_dir: str | None = None,
                  count_requests: bool = True, msc_part_sizes: tuple[int, ...] = (),
-                 budgets: dict[str, int] | None = None) -> None:
+                 budgets: dict[str, int] | None = None, tls: TLSFiles | None = None) -> None:
         self.names = names
+        self.tls = tls
         self.msc_part_sizes = tuple(msc_part_sizes)
         self.workdir = workdir
         self.local_dir = local_dir
@@ -141,7 +158,10 @@ class Stores:
             return None
         from dcpstore.testing import FaultProxy
 
-        proxy = stack.enter_context(FaultProxy(upstream))
+        tls = self.tls
+        proxy = stack.enter_context(FaultProxy(
+            upstream, tls=tls.server_context() if tls else None,
+            upstream_tls=tls.client_context() if tls else None))
         self.proxies[name] = proxy
         return str(proxy.endpoint_url)
 
@@ -157,6 +177,9 @@ class Stores:
         stack = self._stack.enter_context(contextlib.ExitStack())
         self._stacks[name] = stack
         generation = self.restarts.get(name, 0)
+        tls = self.tls or False
+        tls_env = self.tls.client_env() if self.tls else {}
+        ca_bundle = self.tls.ca_bundle if self.tls else None
         if kind == "local":
             root = self.local_dir
             if root is None:
@@ -166,9 +189,9 @@ class Stores:
         elif kind == "s3":
             server: S3Server
             if name == "seaweedfs":
-                server = stack.enter_context(seaweedfs_server(bucket=BUCKET))
+                server = stack.enter_context(seaweedfs_server(bucket=BUCKET, tls=tls))
             else:
-                server = stack.enter_context(moto_server())
+                server = stack.enter_context(moto_server(tls=tls))
                 server.create_bucket(BUCKET)
             self._servers[name] = server
             proxy = self._proxy(name, server.endpoint_url, stack)
@@ -176,18 +199,19 @@ class Stores:
             # profile in every rank process, which would keep the old endpoint
             profile = f"bench-{name}" + (f"-g{generation}" if generation else "")
             self.info[name] = StoreInfo(
-                name, kind, BUCKET, server.endpoint_url, server.region, server.env(),
-                msc_profile=profile,
+                name, kind, BUCKET, server.endpoint_url, server.region,
+                {**server.env(), **tls_env}, msc_profile=profile,
                 msc_profile_counted=profile + "-counted" if proxy else None,
-                proxy_url=proxy)
+                proxy_url=proxy, ca_bundle=ca_bundle)
         elif kind == "gcs":
-            gcs = stack.enter_context(fake_gcs_server())
+            gcs = stack.enter_context(fake_gcs_server(tls=tls))
             gcs.create_bucket(BUCKET)
             self._servers[name] = gcs
             proxy = self._proxy(name, gcs.endpoint_url, stack)
             self.info[name] = StoreInfo(
                 name, kind, BUCKET, gcs.endpoint_url,
-                env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, proxy_url=proxy)
+                env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", **tls_env},
+                proxy_url=proxy, ca_bundle=ca_bundle)
         else:  # pragma: no cover - names are validated by the CLI
             raise ValueError(f"unknown store {name!r}")
         self.written[name] = 0
@@ -295,6 +319,7 @@ class Stores:
                          "endpoint_url": info.endpoint_url,
                          "server": getattr(server, "kind", None) or name,
                          "counting_proxy": info.proxy_url is not None,
+                         "tls": info.ca_bundle is not None,
                          "budget_bytes": self.budgets.get(name),
                          "fresh_restarts": self.restarts.get(name, 0)}
         return out
@@ -350,8 +375,11 @@ def _s3_delete_prefix(server: Any, bucket: str, prefix: str) -> None:
 
 def _gcs_delete_prefix(info: StoreInfo, prefix: str) -> None:
     base = f"{info.endpoint_url}/storage/v1/b/{info.root}/o"
-    for name in gcs_object_names(info.endpoint_url or "", info.root, prefix):
+    context = ssl.create_default_context(cafile=info.ca_bundle) if info.ca_bundle else None
+    for name in gcs_object_names(info.endpoint_url or "", info.root, prefix,
+                                 ca_bundle=info.ca_bundle):
         req = urllib.request.Request(f"{base}/{urllib.parse.quote(name, safe='')}",
                                      method="DELETE")
-        with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=30):
+        with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=30,
+                                                                    context=context):
             pass

@@ -35,6 +35,12 @@ signer obeys over plain HTTP too when it is set explicitly) and
 s3torchconnector's CRT client exposes neither setting (see :data:`CRT_SETTINGS`).
 :meth:`System.settings` states them per system; the report prints them.
 
+**TLS** (``--tls``). Every server is reached over HTTPS with a certificate of a throwaway
+CA, which each client trusts the way its stack reads a CA from the environment
+(:meth:`System.tls_trust`, stated per system in the report): ``AWS_CA_BUNDLE`` for the
+botocore-based ones, ``SSL_CERT_FILE`` for aiohttp (GCS) and the CRT clients. The
+environment is the same for every system of a store (:func:`environment`).
+
 **Peers at their best.** A peer's ``grid`` lists the options tried in the tuning phase
 (``benchmarks.tuning``); a peer label's bracket is either ``best`` (the options the
 tuning picked, per operation) or explicit options, ``msc[thread_count=4,part_size=8MiB]``.
@@ -90,6 +96,14 @@ CRT_SETTINGS: dict[str, str] = {
     "payload": "UNSIGNED-PAYLOAD (CRT default, not configurable)",
     "request checksums": "none (CRT default, not configurable)",
     "response checksums": "not requested (CRT default, not configurable)",
+}
+#: How the ``--tls`` CA reaches each client stack (:meth:`System.tls_trust`).
+TLS_TRUST: dict[str, str] = {
+    "botocore": "AWS_CA_BUNDLE (botocore)",
+    "aiobotocore": "AWS_CA_BUNDLE (aiobotocore, under s3fs)",
+    "msc": "AWS_CA_BUNDLE (MSC's boto3 client)",
+    "crt": "SSL_CERT_FILE (the CRT's default trust store)",
+    "aiohttp": "SSL_CERT_FILE (aiohttp's default SSL context)",
 }
 #: The tuning grid's values (``--grid`` overrides them): threads / concurrency and part size.
 GRID_THREADS: tuple[int, ...] = (1, 4, 8)
@@ -167,6 +181,8 @@ class System:
     #: The library's defaults of the grid options (a tuned best equal to them is not
     #: run twice).
     defaults: ClassVar[dict[str, Any]] = {}
+    #: Its client stack, a key of :data:`TLS_TRUST` (``""``: no HTTP, the local store).
+    client_stack: ClassVar[str] = ""
 
     def __init__(self, variant: str = "") -> None:
         self.variant = variant
@@ -174,6 +190,11 @@ class System:
     def settings(self) -> dict[str, str]:
         """Payload signing and checksum settings of its requests (``{}``: not HTTP)."""
         return dict(BOTOCORE_SETTINGS) if "s3" in self.kinds else {}
+
+    def tls_trust(self) -> str | None:
+        """How the ``--tls`` CA reaches its client (``None``: it makes no HTTP
+        requests)."""
+        return TLS_TRUST[self.client_stack] if self.client_stack else None
 
     def variant_options(self) -> dict[str, Any]:
         """Options its bracket names (``[thread_count=4,part_size=8MiB]``); ``{}`` for
@@ -355,6 +376,7 @@ class DcpstoreS3(Dcpstore):
     kinds = ("s3",)
     requires = ("dcpstore_s3", "botocore")
     description = "dcpstore, S3 backend (botocore)"
+    client_stack = "botocore"
 
     def uri(self, ctx: OpContext) -> str:
         return f"s3://{ctx.store.root}/{ctx.path}"
@@ -369,6 +391,7 @@ class DcpstoreMSC(Dcpstore):
     kinds = ("s3",)
     requires = ("dcpstore_msc", "multistorageclient")
     description = "dcpstore, MSC backend (same MSC profile as msc)"
+    client_stack = "msc"
 
     def uri(self, ctx: OpContext) -> str:
         return f"msc://{ctx.store.msc_profile}/{ctx.path}"
@@ -383,6 +406,7 @@ class DcpstoreGCS(Dcpstore):
     kinds = ("gcs",)
     requires = ("dcpstore_gcs", "gcsfs")
     description = "dcpstore, GCS backend"
+    client_stack = "aiohttp"
 
     def uri(self, ctx: OpContext) -> str:
         return f"gs://{ctx.store.root}/{ctx.path}"
@@ -441,6 +465,7 @@ class TorchFsspecS3(TorchFsspec):
     requires = ("s3fs",)
     protocol = "s3"
     description = "torch FsspecWriter / FsspecReader over s3fs"
+    client_stack = "aiobotocore"
 
     grid = {"thread_count": GRID_THREADS}
     defaults = {"thread_count": 1}
@@ -459,6 +484,7 @@ class TorchFsspecGCS(TorchFsspec):
     requires = ("gcsfs",)
     protocol = "gs"
     description = "torch FsspecWriter / FsspecReader over gcsfs"
+    client_stack = "aiohttp"
     grid = {"thread_count": GRID_THREADS}
     defaults = {"thread_count": 1}
 
@@ -475,6 +501,7 @@ class S3TorchConnector(DCPSystem):
     kinds = ("s3",)
     requires = ("s3torchconnector", "s3torchconnectorclient")
     description = "s3torchconnector S3StorageWriter / S3StorageReader (default reader)"
+    client_stack = "crt"
     grid = {"thread_count": GRID_THREADS, "part_size": GRID_PART_SIZES}
     reader_keys = frozenset({"part_size"})
     defaults = {"thread_count": 1, "part_size": 8 * _MiB}
@@ -516,6 +543,7 @@ class MSC(DCPSystem):
     kinds = ("s3",)
     requires = ("multistorageclient",)
     description = "multi-storage-client MultiStorageFileSystemWriter / Reader"
+    client_stack = "msc"
     grid = {"thread_count": GRID_THREADS, "part_size": GRID_PART_SIZES}
     reader_keys = frozenset({"thread_count", "part_size"})
     # part_size is not among them: the default profile is MSC's own (64 MiB threshold,

@@ -7,7 +7,8 @@
   :mod:`dcpstore.testing.faults`);
 - ``FaultProxy``: a fault-injecting HTTP proxy in front of a real server
   (:mod:`dcpstore.testing.faultproxy`);
-- the local server stand-ins (:mod:`dcpstore.testing.servers`);
+- the local server stand-ins (:mod:`dcpstore.testing.servers`), over HTTPS with a
+  throwaway CA (:mod:`dcpstore.testing.tls`);
 - state helpers (:mod:`dcpstore.testing.state`).
 
 Attributes are imported on first use, so ``import dcpstore.testing.servers`` pulls in

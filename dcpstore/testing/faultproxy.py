@@ -1,11 +1,17 @@
 """A fault-injecting HTTP/1.1 reverse proxy for reliability tests of object-store backends.
 
-Put it in front of an S3 or GCS stand-in (plain HTTP on 127.0.0.1) and point a backend's
+Put it in front of an S3 or GCS stand-in on 127.0.0.1 and point a backend's
 ``endpoint_url`` at :attr:`FaultProxy.endpoint_url`::
 
     with FaultProxy(server.endpoint_url, FaultPlan(rate=0.1), seed=3) as proxy:
         dcpstore.save(state, "s3://bucket/ckpt", endpoint_url=proxy.endpoint_url)
         print(proxy.stats.faults)
+
+In front of a stand-in served over HTTPS, give the proxy a server-side ``tls`` context
+(``TLSFiles.server_context()`` of :mod:`dcpstore.testing.tls`): it then serves HTTPS with
+that certificate, and reaches the ``https://`` upstream trusting ``upstream_tls``. It
+reads every request in the clear between the two, so it counts and faults exactly as
+over plain HTTP.
 
 Every request is forwarded unchanged (``Host`` included, so SigV4 signatures stay
 valid) except those the :class:`FaultPlan` picks, which get one of these faults:
@@ -55,6 +61,7 @@ import random
 import re
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -459,10 +466,18 @@ class _Upstream:
         if self.sock is not None and self.reader is not None:
             # an idle connection that is readable was closed (or broken) by the server
             readable, _, _ = select.select([self.sock], [], [], 0)
-            if not readable and not self.reader.buf:
+            pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending()
+            if not readable and not pending and not self.reader.buf:
                 return self.sock, self.reader
             self.close()
         sock = socket.create_connection(self.proxy._upstream, timeout=10)
+        if self.proxy._upstream_tls is not None:
+            try:
+                sock = self.proxy._upstream_tls.wrap_socket(
+                    sock, server_hostname=self.proxy._upstream[0])
+            except BaseException:
+                sock.close()
+                raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.proxy._track(sock)
@@ -483,7 +498,8 @@ class FaultProxy:
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
 
     Args:
-        upstream_url: ``http://host:port`` of the server to proxy (plain HTTP only).
+        upstream_url: ``http://host:port`` or ``https://host:port`` of the server to
+            proxy.
         plan: Which faults to inject (default: none). Replace it at any time by
             assigning :attr:`plan`.
         seed: Seed of the fault decisions.
@@ -491,16 +507,23 @@ class FaultProxy:
         over_limit: What a request beyond ``max_in_flight`` gets: ``"queue"`` (it waits
             for a free slot) or ``"503"`` (a ``SlowDown`` / GCS 503 answer, counted in
             :attr:`ProxyStats.throttled`).
+        tls: Serve HTTPS to clients with this server-side context (``None``: plain
+            HTTP); :attr:`endpoint_url` is then ``https://``.
+        upstream_tls: Client-side context for an ``https://`` upstream (``None``: the
+            system's default trust, ``ssl.create_default_context()``).
 
     Attributes:
         stats: What went through (see :class:`ProxyStats`).
     """
 
     def __init__(self, upstream_url: str, plan: FaultPlan | None = None, *, seed: int = 0,
-                 max_in_flight: int | None = None, over_limit: str = "queue") -> None:
+                 max_in_flight: int | None = None, over_limit: str = "queue",
+                 tls: ssl.SSLContext | None = None,
+                 upstream_tls: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(upstream_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream_url must be an http:// URL, got {upstream_url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"upstream_url must be an http:// or https:// URL, got "
+                             f"{upstream_url!r}")
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if over_limit not in ("queue", "503"):
@@ -510,7 +533,10 @@ class FaultProxy:
         self._in_flight = 0
         self._slots = threading.Semaphore(max_in_flight) if max_in_flight else None
         self.upstream_url = upstream_url
-        self._upstream = (parts.hostname, parts.port or 80)
+        https = parts.scheme == "https"
+        self._upstream = (parts.hostname, parts.port or (443 if https else 80))
+        self._upstream_tls = (upstream_tls or ssl.create_default_context()) if https else None
+        self._tls = tls
         self._plan = plan if plan is not None else FaultPlan()
         self._plan_faults = 0
         self._rng = random.Random(seed)
@@ -528,10 +554,10 @@ class FaultProxy:
 
     @property
     def endpoint_url(self) -> str:
-        """``http://127.0.0.1:<port>`` (after :meth:`start`)."""
+        """``http://127.0.0.1:<port>`` (``https://`` with ``tls``; after :meth:`start`)."""
         if not self._port:
             raise RuntimeError("the proxy is not started")
-        return f"http://127.0.0.1:{self._port}"
+        return f"{'https' if self._tls else 'http'}://127.0.0.1:{self._port}"
 
     @property
     def plan(self) -> FaultPlan:
@@ -658,9 +684,11 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket) -> None:
         upstream = _Upstream(self)
-        reader = _Reader(client)
         reset = False
         try:
+            if self._tls is not None:
+                client = self._handshake(client)
+            reader = _Reader(client)
             while not self._stopping.is_set():
                 raw = reader.read_head()
                 if raw is None:
@@ -682,6 +710,28 @@ class FaultProxy:
                     client.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
+
+    def _handshake(self, client: socket.socket) -> ssl.SSLSocket:
+        """``client`` as a TLS server socket, handshake done (in this connection's
+        thread; tracked first, so that :meth:`stop` can interrupt it)."""
+        assert self._tls is not None
+        self._untrack(client)
+        try:
+            wrapped = self._tls.wrap_socket(client, server_side=True,
+                                            do_handshake_on_connect=False)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                client.close()
+            raise
+        self._track(wrapped)
+        try:
+            wrapped.do_handshake()
+        except BaseException:  # e.g. a client that does not trust the certificate
+            self._untrack(wrapped)
+            with contextlib.suppress(OSError):
+                wrapped.close()
+            raise
+        return wrapped
 
     # -- one request ---------------------------------------------------------------------
 

