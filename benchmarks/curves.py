@@ -580,7 +580,7 @@ class _ServerWatch:
 
     def figures(self) -> dict[str, Any] | None:
         """``process``, ``rss_start``, ``rss_peak``, ``memory_limit`` (``None``: no
-        server watched)."""
+        server watched); the run adds ``replaced`` (a fresh server for this point)."""
         if self.rss_start is None:
             return None
         return {"process": self.process, "rss_start": self.rss_start,
@@ -589,20 +589,25 @@ class _ServerWatch:
 
 
 def _prepare_point(stores: Stores, pools: dict[int, RankPool], store: str, world: int
-                   ) -> bool:
+                   ) -> tuple[bool, list[int] | None]:
     """Free what the previous point left: the ranks' cached state, and (SeaweedFS) the
-    server, replaced by a fresh one if anything was written to it. Returns whether the
-    server was replaced."""
+    server, replaced by a fresh one if anything was written to it.
+
+    Returns:
+        Whether the server was replaced, and the ranks' RSS after they dropped their
+        state (``None`` when their pool was not running).
+    """
+    released = None
     pool = pools.get(world)
     if pool is not None:
         try:
-            pool.release()
+            released = pool.release()
         except JobError as exc:  # the pool was restarted: its memory is free too
             logger.warning("ranks did not release their state: %s", exc)
     if store in _FRESH_PER_POINT and stores.written.get(store):
         stores.replace(store)
-        return True
-    return False
+        return True, released
+    return False, released
 
 
 def _run_points(points: list[Point], args: argparse.Namespace,
@@ -634,7 +639,7 @@ def _run_points(points: list[Point], args: argparse.Namespace,
                 load = _load_average()
                 print(f"-- point {i + 1}/{len(jobs)}: {'+'.join(p.series for p in same)} "
                       f"{store} @{world} {workload.describe()} (load {load})", flush=True)
-                fresh = _prepare_point(stores, pools, store, world)
+                replaced, released = _prepare_point(stores, pools, store, world)
                 estimate = estimate_memory(same[0], names,
                                            server_memory=args.server_memory_bytes,
                                            pool_running=world in pools, local_root=local_root)
@@ -661,7 +666,7 @@ def _run_points(points: list[Point], args: argparse.Namespace,
                     cases = runner.run([plan])
                 server = watch.figures()
                 if server is not None:
-                    server["fresh"] = fresh
+                    server["replaced"] = replaced
                     print(f"   server {server['process']}: peak RSS "
                           f"{format_bytes(server['rss_peak'])}", flush=True)
                 for case in cases:
@@ -670,7 +675,7 @@ def _run_points(points: list[Point], args: argparse.Namespace,
                         raw = case.to_dict()
                         raw.update(series=point.series, x=point.x, tensors=workload.tensors,
                                    load_average=load, server=server,
-                                   memory_estimate=estimate)
+                                   memory_estimate=estimate, ranks_rss_released=released)
                         raw["summary"] = summarize_point(
                             point, raw, is_limit=target.is_limit,
                             is_dcpstore=target.is_dcpstore)
