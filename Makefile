@@ -64,7 +64,9 @@ bench-stall-quick: setup
 	$(BIN)/python -m benchmarks.stall --quick --out benchmarks/results/tmp/stall-quick
 
 # The scaling curves (docs/performance.md, "Scaling curves"): world size 1/2/4/8 and
-# state size 1/4/8 GiB, local and SeaweedFS (~25 min on 2 cores).
+# state size 1/4/8 GiB, local and SeaweedFS: ~25 min on 2 quiet cores (the estimate it
+# prints first). Its largest point needs ~11.5 GiB free; a point that would not fit in
+# the memory available when it starts is skipped and listed in results.md.
 bench-curves: setup
 	$(BIN)/python -m benchmarks --curves --out benchmarks/results/curves
 

@@ -23,6 +23,18 @@ Three series:
 ``many``   an optimizer-like state of many small tensors (``mixed``, 1,024 tensors: 1/4
            small vectors, the rest 1-2 MiB matrices at 1 GiB), world size 1/2/4/8.
 
+Memory: a point must fit beside whatever else runs on the machine (24 GiB shared, for
+the 8 GiB point). The ranks hold their share of the state once (``RankPool(in_place=
+True)``: a load goes into the zeroed source tensors and is checked bit-exact against
+values regenerated chunk by chunk) and drop it between points
+(:meth:`~.ranks.RankPool.release`); SeaweedFS is replaced by a fresh server before each
+of its points (its Go heap keeps its high-water mark) and the stores' Go servers run
+with a soft memory limit (``GOMEMLIMIT``, ``--server-memory``). Before a point runs,
+:func:`estimate_memory` predicts its peak; a point that would not fit in the memory
+available then (:func:`.stall.check_memory`) is skipped, with the reason in the results,
+rather than left to the OOM killer. The server's peak RSS during each point is recorded
+(``server`` of each point), so a reader can see when the store was the bottleneck.
+
 Outputs under ``--out``: ``results.json``, ``results.md``, ``world.png`` (MB/s and
 CPU s/GiB against world size) and ``size.png`` (against state size).
 
@@ -37,12 +49,14 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +64,22 @@ from typing import Any
 
 from . import report, systems
 from .cli import REPO, fill_defaults, machine_info, options_for, versions
-from .ranks import RankPool
+from .ranks import JobError, RankPool
 from .runner import Runner, StorePlan
 from .servers import STORE_KINDS, Stores
-from .workload import MIXES, WorkloadSpec, format_bytes, parse_size
+from .stall import check_memory
+from .workload import (
+    MIXES,
+    VERIFY_CHUNK_BYTES,
+    WorkloadSpec,
+    format_bytes,
+    parse_size,
+    plan_tensors,
+)
 
-__all__ = ["Point", "build_points", "estimate_seconds", "main", "parse_args", "render_markdown",
-           "summarize_point", "write_charts"]
+__all__ = ["MEMORY_HEADROOM", "RANK_BASE_RSS", "Point", "build_points", "estimate_memory",
+           "estimate_seconds", "main", "parse_args", "render_markdown", "summarize_point",
+           "write_charts"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +107,63 @@ _DEFAULTS: dict[str, tuple[Any, Any]] = {
     "stores": (["local", "seaweedfs"], ["local", "seaweedfs"]),
     "series": (list(SERIES), list(SERIES)),
 }
-#: Assumed MB/s (save, load) of one point on a 2-core machine, for the estimate.
-_ASSUMED_MBPS = {"local": (700, 1500), "seaweedfs": (130, 300), "moto": (60, 120),
+
+# -- the duration estimate (a quiet 2-core machine) ---------------------------------------
+
+#: Assumed MB/s (save, load) of one point, rounded down from the quiet ``make bench`` at
+#: 512 MiB and 2 ranks (local 1,015 / 5,155, SeaweedFS 192 / 972 for dcpstore).
+_ASSUMED_MBPS = {"local": (700, 1500), "seaweedfs": (150, 500), "moto": (60, 120),
                  "gcs": (90, 250)}
+#: Past the kernel's dirty-page budget a local save goes at the disk's speed (``dd
+#: conv=fdatasync`` of 1 GiB: 177 MB/s on the 2-core machine).
+_DISK_MBPS = 180
+_DIRTY_BYTES = 3 << 30
+#: Wall seconds per (rank x tensor) item of a save or load on 2 cores (the many series:
+#: about 7 CPU s for 8 x 1,024 items per GiB at 8 ranks).
+_ITEM_S = 0.45e-3
+#: Per core, MB/s of building the state and of the in-place check (regenerating values).
+_FILL_MBPS, _CHECK_MBPS = 1200, 1900
 _POOL_START_S = 6.0  # per rank: spawn, import torch, gloo
+_SERVER_START_S = 5.0  # a fresh SeaweedFS
+_CORES = 2
+
+# -- the memory estimate ------------------------------------------------------------------
+
+_MiB = 1 << 20
+#: A rank's resident memory with torch, gloo and DCP loaded and no state (300-310 MiB
+#: measured on the 2-core machine).
+RANK_BASE_RSS = 320 * _MiB
+#: Memory left free beyond a point's predicted peak (``--memory-headroom``; the stall
+#: suite keeps the same).
+MEMORY_HEADROOM = 1 << 30
+#: Peak extra memory per rank of a save or a load, where it is a fixed bound (measured:
+#: dcpstore-s3 290-310 MiB at every world and state size; dcpstore-local 1-50 MiB).
+#: ``torch-fs`` reads an item whole (its largest local shard); other peers are assumed to
+#: hold their share once, and the raw limits twice (their buffer and its source).
+_OP_PEAK = {"dcpstore-local": 32 * _MiB, "dcpstore-s3": 320 * _MiB,
+            "dcpstore-msc": 320 * _MiB, "dcpstore-gcs": 320 * _MiB}
+#: Metadata every rank holds per (rank x tensor) item of the checkpoint (DCP's global
+#: ``Metadata``; the curves measured about 2.5 KiB of RSS per added rank and tensor).
+_PER_ITEM = 4 << 10
+#: ``weed mini``'s resident memory with no request (about 115 MiB) plus margin.
+_WEED_IDLE = 256 * _MiB
+#: ``weed mini``'s heap per byte of PUT bodies in flight (15 MiB single PUTs from one
+#: boto3 client, on the 2-core machine): live, about 3.3x (64 in flight under a 2 GiB
+#: ``GOMEMLIMIT``: 3.2 GiB); without a limit Go's collector lets it grow to about twice
+#: that (8 in flight: 1.1 GiB; 32: 3.8 GiB; 4 ranks of dcpstore-s3 at 1 GiB: 1.2 GiB).
+_WEED_LIVE, _WEED_UNCAPPED = 3.5, 8.0
+#: Request bodies in flight per dcpstore-s3 rank at its defaults: part_size x
+#: max_concurrency (8 MiB x 8; files of up to 15 MiB go up in single PUTs, 4 at once).
+_S3_INFLIGHT = 64 * _MiB
+#: Default soft memory limit of the stores' Go servers (``GOMEMLIMIT``): it holds weed
+#: at about 1.8 GiB with 32 PUTs of 15 MiB in flight (8 ranks) instead of 3.8 GiB, with
+#: no throughput cost measurable on the shared machine.
+DEFAULT_SERVER_MEMORY = "2GiB"
+#: Stores whose server is replaced by a fresh one before each point.
+_FRESH_PER_POINT = {"seaweedfs"}
+#: How a store's server process is recognized (by name or command line); moto runs in
+#: a thread of this process.
+_SERVER_PROCESS = {"seaweedfs": "weed", "gcs": "fake-gcs-server"}
 
 
 @dataclass(frozen=True)
@@ -138,6 +214,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt", action="append", default=[], metavar="[SCOPE.]KEY=VALUE",
                    help="as for python -m benchmarks")
     p.add_argument("--local-dir", help="directory of the local store")
+    p.add_argument("--server-memory", metavar="SIZE|off",
+                   help="soft memory limit (GOMEMLIMIT) of the stores' Go servers "
+                        f"(weed, fake-gcs-server); default: $GOMEMLIMIT, else "
+                        f"{DEFAULT_SERVER_MEMORY}")
+    p.add_argument("--memory-headroom", metavar="SIZE",
+                   help="memory left free beyond a point's predicted peak; a point that "
+                        "would not fit is skipped (default 1GiB)")
     p.add_argument("--out", type=Path, help="results folder (default: "
                    "benchmarks/results/tmp/curves-<mode>-<time>)")
     p.add_argument("--render", type=Path, metavar="DIR",
@@ -150,6 +233,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.size_bytes = sorted(parse_size(s) for s in args.sizes)
         args.base_bytes = parse_size(args.base_size)
+        args.headroom_bytes = (parse_size(args.memory_headroom) if args.memory_headroom
+                               else MEMORY_HEADROOM)
+        memory = args.server_memory or os.environ.get("GOMEMLIMIT") or DEFAULT_SERVER_MEMORY
+        args.server_memory_bytes = None if memory.lower() == "off" else parse_size(memory)
         from .cli import _parse_opts
 
         args.options = _parse_opts(args.opt)
@@ -200,17 +287,123 @@ def systems_for(store: str, wanted: list[str] | None) -> list[str]:
 
 
 def estimate_seconds(points: list[Point], args: argparse.Namespace) -> float:
-    """A rough duration on a 2-core machine (printed before the run starts)."""
+    """The duration on a quiet 2-core machine (printed before the run starts): every
+    unique point's saves and loads at :data:`_ASSUMED_MBPS` (a local save past the
+    kernel's dirty-page budget at the disk's speed) plus a cost per (rank x tensor)
+    item, and what is not timed: rank start-up, building the state, the in-place checks
+    and the fresh servers. A loaded machine takes up to 2-3x longer."""
     total = 20.0 + _POOL_START_S * sum({p.world_size for p in points})
     unique = {(p.store, p.world_size, p.workload): p for p in points}
     for p in unique.values():
         save, load = _ASSUMED_MBPS[p.store]
-        mb = p.workload.state_bytes / 1e6
-        # ranks beyond the 2 cores add per-rank overhead; many small tensors, per tensor
-        overhead = 0.5 + 0.05 * p.world_size + 0.002 * p.workload.tensors
-        total += args.runs * len(systems_for(p.store, args.systems)) * (
-            mb / save + mb / load + 2 * overhead)
+        state = p.workload.state_bytes
+        cores = min(p.world_size, _CORES)
+        save_s = state / 1e6 / save
+        if p.store == "local":
+            save_s += max(0, state - _DIRTY_BYTES) / 1e6 / _DISK_MBPS
+        per_op = 0.5 + _ITEM_S * p.world_size * p.workload.tensors
+        one = (save_s + state / 1e6 / load + 2 * per_op
+               + state / 1e6 / (_CHECK_MBPS * cores))  # the untimed in-place check
+        total += args.runs * len(systems_for(p.store, args.systems)) * one
+        total += state / 1e6 / (_FILL_MBPS * cores)
+        if p.store in _FRESH_PER_POINT:
+            total += _SERVER_START_S
     return total
+
+
+def _largest_local(spec: WorkloadSpec, world_size: int) -> int:
+    """Bytes of the largest local shard of ``spec`` at ``world_size`` (``Shard(0)``:
+    ``ceil(rows / world_size)`` rows)."""
+    largest = 0
+    for t in plan_tensors(spec):
+        rows = t.shape[0]
+        largest = max(largest, -(-rows // world_size) * (t.nbytes // max(rows, 1)))
+    return largest
+
+
+def _op_peak(name: str, point: Point) -> int:
+    """Predicted peak extra memory per rank of ``name``'s save or load at ``point``."""
+    system = systems.get(name)
+    spec, world = point.workload, point.world_size
+    items = _PER_ITEM * world * spec.tensors
+    share = -(-spec.state_bytes // world)
+    if system.name in _OP_PEAK:
+        return _OP_PEAK[system.name] + items
+    if system.name == "torch-fs":
+        return _largest_local(spec, world) + 32 * _MiB + items
+    return (2 if system.is_limit else 1) * share + 32 * _MiB + items
+
+
+def _on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lies on a file system in memory (tmpfs, ramfs)."""
+    real, best, fstype = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1]
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and \
+                        len(mount) > len(best):
+                    best, fstype = mount, fields[2]
+    except OSError:
+        return False
+    return fstype in ("tmpfs", "ramfs")
+
+
+def estimate_memory(point: Point, names: list[str], *, server_memory: int | None,
+                    pool_running: bool = False, local_root: str | None = None
+                    ) -> dict[str, int]:
+    """The predicted peak memory of one point, by holder (bytes; ``total`` is the sum).
+
+    - ``ranks``: the rank processes before any state, unless their pool runs already
+      (it is then part of the memory in use);
+    - ``state``: the state dict, held once (the ranks load in place);
+    - ``operations``: every rank's peak extra memory of the most demanding system
+      (:data:`_OP_PEAK`, the ``torch-fs`` reader's largest item, the metadata per item);
+    - ``verify``: the scratch of the in-place checks;
+    - ``server``: what the store's server grows by: a fresh SeaweedFS, its Go heap for the
+      requests in flight (:data:`_WEED_LIVE` / :data:`_WEED_UNCAPPED` x the bodies in
+      flight, bounded by ``server_memory``, its ``GOMEMLIMIT``); moto and
+      fake-gcs-server keep the checkpoint in memory;
+    - ``page_cache``: the local checkpoint where the local store is on tmpfs (elsewhere
+      the page cache is reclaimed under pressure and is not counted).
+
+    Args:
+        point: The point.
+        names: The systems run at it.
+        server_memory: The Go servers' soft memory limit (``None``: none).
+        pool_running: The ranks of this world size run already.
+        local_root: Directory of the local store.
+    """
+    world, state = point.world_size, point.workload.state_bytes
+    parts = {
+        "ranks": 0 if pool_running else world * RANK_BASE_RSS,
+        "state": state,
+        "operations": world * max((_op_peak(n, point) for n in names), default=0),
+        "verify": world * VERIFY_CHUNK_BYTES,
+        "server": 0,
+        "page_cache": 0,
+    }
+    kind = STORE_KINDS[point.store]
+    if point.store == "seaweedfs" and names:
+        inflight = world * _S3_INFLIGHT
+        heap = _WEED_UNCAPPED * inflight
+        if server_memory is not None:
+            heap = min(heap, max(float(server_memory), _WEED_LIVE * inflight))
+        parts["server"] = _WEED_IDLE + int(heap)
+    elif kind != "local" and names:  # the in-memory servers (moto in this process)
+        parts["server"] = 2 * state + 256 * _MiB
+    elif kind == "local" and local_root is not None and _on_tmpfs(local_root):
+        parts["page_cache"] = state
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _memory_text(estimate: dict[str, int]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in estimate.items()
+                     if v and k != "total")
 
 
 # -- figures of one point ----------------------------------------------------------------
@@ -311,12 +504,120 @@ def _load_average() -> list[float]:
         return []
 
 
+class _ServerWatch:
+    """The resident memory of a store's server process while a point runs (psutil every
+    0.2 s; the process is looked up again when it changes, e.g. after a replacement):
+    its RSS at the start and its peak. moto runs in this process, which is watched then;
+    the local store has no server."""
+
+    def __init__(self, store: str, limit: int | None, interval: float = 0.2) -> None:
+        self.store = store
+        self.limit = limit
+        self.interval = interval
+        self.rss_start: int | None = None
+        self.rss_peak = 0
+        self.process = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _find(self) -> list[Any]:
+        import psutil
+
+        if self.store == "moto":
+            return [psutil.Process()]
+        needle = _SERVER_PROCESS.get(self.store)
+        if needle is None:
+            return []
+        found = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.name() == needle or any(needle in a for a in proc.cmdline()[:1]):
+                    found.append(proc)
+            except psutil.Error:
+                continue
+        return found
+
+    def _sample(self, procs: list[Any]) -> list[Any]:
+        import psutil
+
+        if not procs:
+            procs = self._find()
+        rss, alive = 0, []
+        for proc in procs:
+            try:
+                rss += proc.memory_info().rss
+                alive.append(proc)
+                self.process = proc.name()
+            except psutil.Error:
+                continue
+        if alive:
+            if self.rss_start is None:
+                self.rss_start = rss
+            self.rss_peak = max(self.rss_peak, rss)
+        return alive
+
+    def _loop(self) -> None:
+        procs: list[Any] = []
+        while not self._stop.wait(self.interval):
+            procs = self._sample(procs)
+
+    def __enter__(self) -> _ServerWatch:
+        if self.store != "moto" and self.store not in _SERVER_PROCESS:
+            return self
+        try:
+            import psutil  # noqa: F401
+        except ImportError:  # pragma: no cover - psutil is in requirements/bench.txt
+            return self
+        self._sample([])
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="server-rss")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def figures(self) -> dict[str, Any] | None:
+        """``process``, ``rss_start``, ``rss_peak``, ``memory_limit`` (``None``: no
+        server watched); the run adds ``replaced`` (a fresh server for this point)."""
+        if self.rss_start is None:
+            return None
+        return {"process": self.process, "rss_start": self.rss_start,
+                "rss_peak": self.rss_peak,
+                "memory_limit": self.limit if self.store != "moto" else None}
+
+
+def _prepare_point(stores: Stores, pools: dict[int, RankPool], store: str, world: int
+                   ) -> tuple[bool, list[int] | None]:
+    """Free what the previous point left: the ranks' cached state, and (SeaweedFS) the
+    server, replaced by a fresh one if anything was written to it.
+
+    Returns:
+        Whether the server was replaced, and the ranks' RSS after they dropped their
+        state (``None`` when their pool was not running).
+    """
+    released = None
+    pool = pools.get(world)
+    if pool is not None:
+        try:
+            released = pool.release()
+        except JobError as exc:  # the pool was restarted: its memory is free too
+            logger.warning("ranks did not release their state: %s", exc)
+    if store in _FRESH_PER_POINT and stores.written.get(store):
+        stores.replace(store)
+        return True, released
+    return False, released
+
+
 def _run_points(points: list[Point], args: argparse.Namespace,
                 result: dict[str, Any]) -> None:
-    """Measure every point into ``result["points"]``, saving ``results.json`` after each
-    one (``"complete": false`` until the last), so a run cut short keeps what it did."""
+    """Measure every point into ``result["points"]`` (or, when it would not fit in memory,
+    into ``result["skipped"]``), saving ``results.json`` after each one (``"complete":
+    false`` until the last), so a run cut short keeps what it did."""
     pools: dict[int, RankPool] = {}
     measured: list[dict[str, Any]] = result["points"]
+    skipped: list[dict[str, Any]] = result["skipped"]
     # a point of two series (the size series' base size at its world size is also a
     # point of the world series) is measured once and reported in both
     jobs: dict[tuple[str, int, WorkloadSpec], list[Point]] = {}
@@ -328,31 +629,58 @@ def _run_points(points: list[Point], args: argparse.Namespace,
     with Stores(sorted({p.store for p in points}), args.out, local_dir=args.local_dir,
                 count_requests=False) as stores:
         result["stores"] = stores.describe()
+        local_root = stores.info["local"].root if "local" in stores.info else None
         try:
             for i, ((store, world, workload), same) in enumerate(jobs.items()):
                 for w in [w for w in pools if w != world and not remaining.get(w)]:
                     pools.pop(w).close()  # no point left needs this pool
-                plan = StorePlan(store, workload, systems_for(store, args.systems))
+                names = systems_for(store, args.systems)
+                plan = StorePlan(store, workload, names)
                 load = _load_average()
                 print(f"-- point {i + 1}/{len(jobs)}: {'+'.join(p.series for p in same)} "
                       f"{store} @{world} {workload.describe()} (load {load})", flush=True)
+                replaced, released = _prepare_point(stores, pools, store, world)
+                estimate = estimate_memory(same[0], names,
+                                           server_memory=args.server_memory_bytes,
+                                           pool_running=world in pools, local_root=local_root)
+                reason = check_memory(estimate["total"] + args.headroom_bytes,
+                                      f"{_memory_text(estimate)}, plus "
+                                      f"{format_bytes(args.headroom_bytes)} headroom")
+                remaining[world] -= 1
+                if reason is not None:
+                    print(f"   {reason}", flush=True)
+                    skipped += [{"series": p.series, "store": store, "world_size": world,
+                                 "state_bytes": workload.state_bytes, "x": p.x,
+                                 "tensors": workload.tensors, "reason": reason,
+                                 "memory_estimate": estimate} for p in same]
+                    _save_json(result, args.out)
+                    continue
                 runner = Runner(
-                    stores, pools, RankPool, world_size=world, runs=args.runs,
-                    count_requests=False, evict_cache=False,
+                    stores, pools, functools.partial(RankPool, in_place=True),
+                    world_size=world, runs=args.runs, count_requests=False,
+                    evict_cache=False,
                     options=lambda store, label, op: options_for(args.options, label, op),
                     job_timeout=lambda n: max(180.0, n / 2e6),
                     progress=lambda line: print("   " + line, flush=True))
-                for case in runner.run([plan]):
+                with _ServerWatch(store, args.server_memory_bytes) as watch:
+                    cases = runner.run([plan])
+                server = watch.figures()
+                if server is not None:
+                    server["replaced"] = replaced
+                    print(f"   server {server['process']}: peak RSS "
+                          f"{format_bytes(server['rss_peak'])}", flush=True)
+                for case in cases:
                     target = systems.get(case.system)
                     for point in same:
                         raw = case.to_dict()
                         raw.update(series=point.series, x=point.x, tensors=workload.tensors,
-                                   load_average=load)
+                                   load_average=load, server=server,
+                                   memory_estimate=estimate, ranks_rss_released=released)
                         raw["summary"] = summarize_point(
                             point, raw, is_limit=target.is_limit,
                             is_dcpstore=target.is_dcpstore)
                         measured.append(raw)
-                remaining[world] -= 1
+                result["stores"] = stores.describe()
                 _save_json(result, args.out)
             result["complete"] = True
         except KeyboardInterrupt:
@@ -368,7 +696,8 @@ def _save_json(result: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the curves; return 0 when every point ran and every load verified."""
+    """Run the curves; return 0 when every point that fitted in memory ran and every
+    load verified (points skipped for memory are listed in the results)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
@@ -376,13 +705,19 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads((args.render / "results.json").read_text())
         return _finish(result, args.render)
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+    # inherited by the servers the stores start (weed, fake-gcs-server), not the ranks'
+    if args.server_memory_bytes is None:
+        os.environ.pop("GOMEMLIMIT", None)
+    else:
+        os.environ["GOMEMLIMIT"] = f"{args.server_memory_bytes // _MiB}MiB"
     points = build_points(args)
     load = _load_average()
     print(f"dcpstore scaling curves, {args.mode} mode: {len(points)} points "
           f"({', '.join(args.series)}) on {', '.join(args.stores)}, {args.runs} run(s) each, "
           f"results in {args.out}")
-    print(f"  estimated duration: ~{estimate_seconds(points, args) / 60:.1f} min "
-          f"(2-core machine; rough); load average now {load}")
+    print(f"  estimated duration: ~{estimate_seconds(points, args) / 60:.0f} min on a quiet "
+          f"2-core machine (up to 2-3x on a loaded one); load average now {load}")
+    _print_memory_plan(points, args)
     if load and load[0] > 0.5 * (os.cpu_count() or 1):
         print("  WARNING: the machine is busy; figures will be noisy")
     sys.stdout.flush()
@@ -404,14 +739,40 @@ def main(argv: list[str] | None = None) -> int:
                    "base_size": args.base_bytes, "size_world": args.size_world,
                    "tensors": args.tensors, "many_tensors": args.many_tensors,
                    "mix": args.mix, "runs": args.runs, "seed": args.seed,
-                   "options": args.options},
+                   "options": args.options, "load_in_place": True,
+                   "server_memory": args.server_memory_bytes,
+                   "memory_headroom": args.headroom_bytes,
+                   "fresh_server_per_point": sorted(_FRESH_PER_POINT & set(args.stores))},
         "stores": {},
         "points": [],
+        "skipped": [],
     }
     _run_points(points, args, result)
     result["duration_s"] = time.time() - started
     result["load_average"]["end"] = _load_average()
     return _finish(result, args.out)
+
+
+def _print_memory_plan(points: list[Point], args: argparse.Namespace) -> None:
+    """The largest predicted peak of a point (its ranks included) against the memory."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is in requirements/bench.txt
+        return
+    unique = {(p.store, p.world_size, p.workload): p for p in points}
+    worst = max(((estimate_memory(p, systems_for(p.store, args.systems),
+                                  server_memory=args.server_memory_bytes), p)
+                 for p in unique.values()), key=lambda e: e[0]["total"], default=None)
+    if worst is None:
+        return
+    estimate, p = worst
+    vm = psutil.virtual_memory()
+    limit = ("none" if args.server_memory_bytes is None
+             else format_bytes(args.server_memory_bytes))
+    print(f"  memory: largest predicted peak {format_bytes(estimate['total'])} at {p.store} "
+          f"@{p.world_size} {format_bytes(p.workload.state_bytes)} ({_memory_text(estimate)}); "
+          f"{format_bytes(vm.available)} of {format_bytes(vm.total)} available now; servers' "
+          f"GOMEMLIMIT {limit}; a point that does not fit when it starts is skipped")
 
 
 def _finish(result: dict[str, Any], out: Path) -> int:
@@ -456,7 +817,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "Columns: MB/s = state bytes / the slowest rank's time; CPU s/GiB = all ranks' "
         "CPU per GiB of state; max rank CPU = the busiest rank's CPU seconds; coord. = "
         "rank 0's CPU minus the median of the others' (planning and commit); RSS = the "
-        "largest peak extra RSS of a rank, and over its share of the state.", "",
+        "largest peak extra RSS of a rank, and over its share of the state; server RSS = "
+        "the store's server process's peak RSS during the point.", "",
+        _memory_note(result["config"]), "",
     ]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for p in result["points"]:
@@ -469,13 +832,14 @@ def render_markdown(result: dict[str, Any]) -> str:
                 else f"{format_bytes(first['state_bytes'])}, {first['tensors']} tensors")
         lines += [f"## {store}: {titles[series]} ({what})", "",
                   "| system | op | ranks | state | MB/s | s/GiB | CPU s/GiB | max rank CPU s "
-                  "| coord. CPU s | peak RSS/rank | RSS/share | load | ok |",
-                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+                  "| coord. CPU s | peak RSS/rank | RSS/share | server RSS | load | ok |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
         for p in sorted(pts, key=lambda p: (p["system"], p["op"] != "save", p["x"])):
             s = p["summary"]
             ok = ("FAILED" if not s["ok"] else
                   "MISMATCH" if s.get("verified") is False else "yes")
             rss = s.get("peak_extra_rss_max")
+            server = (p.get("server") or {}).get("rss_peak")
             lines.append(
                 f"| {p['system']} | {p['op']} | {p['world_size']} | "
                 f"{format_bytes(p['state_bytes'])} | {_f(s.get('mbps'), '.0f')} | "
@@ -484,11 +848,15 @@ def render_markdown(result: dict[str, Any]) -> str:
                 f"{_f(s.get('coordinator_excess_cpu_s'), '.2f')} | "
                 f"{'—' if rss is None else format_bytes(rss)} | "
                 f"{_f(s.get('rss_per_share_max'), '.2f')} | "
+                f"{'—' if server is None else format_bytes(server)} | "
                 f"{_f((p.get('load_average') or [None])[0], '.1f')} | {ok} |")
         lines.append("")
+    lines += _skipped_and_store_notes(result)
     lines += [f"## Superlinear growth (> {SUPERLINEAR:.2f}x the curve's first point)", ""]
     found = result.get("findings") or []
-    if not found:
+    if not result["points"]:
+        lines.append("No point was measured.")
+    elif not found:
         lines.append("None: every dcpstore cost per GiB and memory per share stayed within "
                      f"{SUPERLINEAR:.2f}x of the curve's first point.")
     for f in found:
@@ -504,6 +872,53 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += [f"- {s} {sy} {op} @{w}: {e.splitlines()[0] if e else e}"
                   for s, sy, op, w, e in errors]
     return "\n".join(lines) + "\n"
+
+
+def _memory_note(config: dict[str, Any]) -> str:
+    limit = config.get("server_memory")
+    if "load_in_place" not in config:  # results of an older harness
+        return "Memory: each rank held a source and a separate load destination."
+    return ("Memory: each rank holds its share once (loads go into the zeroed source tensors "
+            "and are checked against regenerated values) and drops it between points; "
+            + ("SeaweedFS is a fresh server at each point; " if config.get(
+                "fresh_server_per_point") else "")
+            + "the stores' Go servers run with GOMEMLIMIT "
+            + ("unset" if limit is None else format_bytes(limit))
+            + "; a point predicted not to fit in the memory available when it starts (plus "
+            + format_bytes(config.get("memory_headroom") or 0) + ") is skipped.")
+
+
+def _skipped_and_store_notes(result: dict[str, Any]) -> list[str]:
+    """The points skipped for memory, and the points whose server reached 90% of its
+    memory limit (its collector then works harder: the store may be the bottleneck)."""
+    lines: list[str] = []
+    skipped = result.get("skipped") or []
+    if skipped:
+        lines += ["## Skipped for memory", ""]
+        seen = set()
+        for k in skipped:
+            key = (k["store"], k["world_size"], k["state_bytes"], k["tensors"])
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"- {k['store']} @{k['world_size']} {format_bytes(k['state_bytes'])} "
+                         f"in {k['tensors']} tensors ({k['series']}): {k['reason']}")
+        lines.append("")
+    bound = {}
+    for p in result["points"]:
+        server = p.get("server") or {}
+        limit = server.get("memory_limit")
+        if limit and server.get("rss_peak", 0) >= 0.9 * limit:
+            bound[(p["store"], p["world_size"], p["state_bytes"])] = server
+    if bound:
+        lines += ["## Servers at their memory limit", ""]
+        lines += [f"- {store} @{w} {format_bytes(size)}: {srv['process']} peaked at "
+                  f"{format_bytes(srv['rss_peak'])} (GOMEMLIMIT "
+                  f"{format_bytes(srv['memory_limit'])}): its collector ran against the "
+                  "limit, so the store may be the bottleneck here"
+                  for (store, w, size), srv in sorted(bound.items())]
+        lines.append("")
+    return lines
 
 
 def write_charts(result: dict[str, Any], out: Path) -> list[Path]:

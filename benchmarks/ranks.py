@@ -20,6 +20,11 @@ completion (:class:`Probe`):
 
 A job that fails on any rank is reported with every rank's traceback; a pool whose
 ranks do not all answer in time is killed and started again.
+
+Memory: each rank caches the state of the last workload it ran (source and load
+destination, or the source alone with ``RankPool(..., in_place=True)``, see
+:class:`~.workload.RankState`) until a job with another workload arrives or
+:meth:`RankPool.release` frees it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ __all__ = ["Job", "JobError", "Probe", "RankPool", "RankResult"]
 logger = logging.getLogger(__name__)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+#: The message that makes a rank drop its cached state (:meth:`RankPool.release`).
+_RELEASE = "release"
 
 
 @dataclass
@@ -216,7 +223,7 @@ class Probe:
 
 
 def _execute(job: Job, rank: int, world_size: int, mesh: Any,
-             cache: dict[tuple[WorkloadSpec, int], RankState]) -> RankResult:
+             cache: dict[tuple[WorkloadSpec, int], RankState], in_place: bool) -> RankResult:
     import torch.distributed as dist
 
     from . import systems
@@ -226,7 +233,7 @@ def _execute(job: Job, rank: int, world_size: int, mesh: Any,
     if state is None:
         cache.clear()  # one workload at a time: the previous store's is done
         gc.collect()
-        state = cache[key] = RankState(job.workload, mesh)
+        state = cache[key] = RankState(job.workload, mesh, in_place=in_place)
     system = systems.get(job.system)
     ctx = systems.OpContext(job.store, job.path, rank, world_size, job.options, job.counted)
     os.environ.update(systems.environment(ctx))
@@ -263,7 +270,7 @@ def _warm_up(mesh: Any) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, conn: mpc.Connection,
-            log_level: int) -> None:
+            log_level: int, in_place: bool = False) -> None:
     logging.basicConfig(level=log_level, format=f"[rank {rank}] %(levelname)s %(name)s: "
                         "%(message)s")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -294,8 +301,14 @@ def _worker(rank: int, world_size: int, port: int, conn: mpc.Connection,
             break
         if job is None:
             break
+        if job == _RELEASE:
+            cache.clear()
+            gc.collect()
+            _malloc_trim()
+            conn.send(("ok", _rss()))
+            continue
         try:
-            conn.send(("ok", _execute(job, rank, world_size, mesh, cache)))
+            conn.send(("ok", _execute(job, rank, world_size, mesh, cache, in_place)))
         except BaseException as exc:  # report it; the orchestrator decides what next
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         _settle()
@@ -312,11 +325,16 @@ class RankPool:
     Args:
         world_size: Number of ranks.
         start_timeout: Seconds to wait for every rank to be ready.
+        in_place: Each rank loads into its source tensors and checks the load against
+            regenerated values (:class:`~.workload.RankState`'s ``in_place``): it holds
+            its share of the state once rather than twice.
     """
 
-    def __init__(self, world_size: int, *, start_timeout: float = 180.0) -> None:
+    def __init__(self, world_size: int, *, start_timeout: float = 180.0,
+                 in_place: bool = False) -> None:
         self.world_size = world_size
         self.start_timeout = start_timeout
+        self.in_place = in_place
         self._procs: list[Any] = []
         self._conns: list[mpc.Connection] = []
         self._ready = False
@@ -328,7 +346,8 @@ class RankPool:
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, level),
+            p = ctx.Process(target=_worker,
+                            args=(rank, self.world_size, port, child, level, self.in_place),
                             name=f"bench-rank-{rank}of{self.world_size}", daemon=True)
             p.start()
             child.close()
@@ -390,6 +409,25 @@ class RankPool:
             self.restart()
             raise JobError("\n".join(errors))
         return [a[1] for a in answers if a is not None]
+
+    def release(self, timeout: float = 60.0) -> list[int]:
+        """Make every rank drop its cached state (a garbage collection and
+        ``malloc_trim`` after it), so its memory is free before a larger state is built.
+
+        Returns:
+            Each rank's resident bytes afterwards, in rank order.
+
+        Raises:
+            JobError: A rank did not answer (the pool is restarted).
+        """
+        self.wait_ready()
+        for conn in self._conns:
+            conn.send(_RELEASE)
+        answers = self._collect(timeout)
+        if any(a is None or a[0] != "ok" for a in answers):
+            self.restart()
+            raise JobError(f"{self.world_size} ranks did not release their state: {answers}")
+        return [int(a[1]) for a in answers if a is not None]
 
     def restart(self) -> None:
         """Kill the ranks and start new ones."""

@@ -59,8 +59,8 @@ from .servers import StoreInfo, Stores
 from .systems import STALL_PREFIX
 from .workload import WorkloadSpec, format_bytes, parse_size
 
-__all__ = ["balanced_orders", "evaluate_targets", "main", "parse_args", "render_markdown",
-           "summarize"]
+__all__ = ["balanced_orders", "check_memory", "evaluate_targets", "main", "parse_args",
+           "render_markdown", "summarize"]
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +265,20 @@ def load_note(result: dict[str, Any]) -> str | None:
     return text
 
 
+def check_memory(need: float, basis: str) -> str | None:
+    """Whether ``need`` bytes fit in the memory available now
+    (``psutil.virtual_memory().available``): ``None`` when they do, else the reason to
+    skip what needs them (``basis`` says how ``need`` was predicted). Shared by the stall
+    suite and the scaling curves (:mod:`benchmarks.curves`)."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if need <= free:
+        return None
+    return (f"skipped: predicted peak {format_bytes(need)} ({basis}) > "
+            f"{format_bytes(free)} available")
+
+
 # -- running -------------------------------------------------------------------------------
 
 
@@ -390,14 +404,10 @@ class _Suite:
         ratio = self.memory_ratio.get(label)
         if ratio is None:
             return True
-        import psutil
-
-        need = ratio * state_bytes + (1 << 30)
-        free = psutil.virtual_memory().available
-        if need <= free:
+        reason = check_memory(ratio * state_bytes + (1 << 30), "its peak per byte of state "
+                              "at a smaller size, plus 1 GiB")
+        if reason is None:
             return True
-        reason = (f"skipped: predicted peak {format_bytes(need)} (its peak per byte of "
-                  f"state at a smaller size, plus 1 GiB) > {format_bytes(free)} available")
         if not any(s["system"] == label and s["size"] == size and s["store"] == store_name
                    for s in self.skipped):
             self.skipped.append({"store": store_name, "size": size, "system": label,

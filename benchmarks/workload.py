@@ -10,6 +10,12 @@ tensor against the expected shards.
 Values are finite floats in +-[1, 2) (no NaN: nothing downstream ever needs to think
 about NaN payloads), different at every position of every tensor, so a misplaced, shifted
 or torn range is caught.
+
+A rank holds its shards twice by default: the source it saves and a separate destination
+it loads into. With ``RankState(..., in_place=True)`` (the scaling curves' large states)
+it holds them once: a load goes into the source tensors, zeroed first, and is checked
+against values regenerated chunk by chunk from the pure function, so the check needs
+:data:`VERIFY_CHUNK_BYTES` of scratch instead of a second copy of the state.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 __all__ = [
     "MIXES",
+    "VERIFY_CHUNK_BYTES",
     "RankState",
     "TensorPlan",
     "WorkloadSpec",
@@ -42,6 +49,8 @@ MIXES = ("mixed", "equal")
 
 _COLS = 1024  # elements per row of the 2-D tensors (4 KiB of float32)
 _ELEM = 4  # bytes per float32
+#: Scratch a rank allocates to check an in-place load (values regenerated per chunk).
+VERIFY_CHUNK_BYTES = 16 << 20
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
                "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -217,6 +226,22 @@ def _fill(out: torch.Tensor, start: int, salt: int, seed: int) -> None:
         pos += take
 
 
+def _matches_values(t: torch.Tensor, start: int, salt: int, seed: int) -> bool:
+    """Whether contiguous float32 ``t`` holds exactly the values of global flat elements
+    ``start ..`` (bit-exact), regenerating them :data:`VERIFY_CHUNK_BYTES` at a time."""
+    flat = t.view(-1).view(torch.int32)
+    n = flat.numel()
+    step = VERIFY_CHUNK_BYTES // _ELEM
+    scratch = torch.empty(min(step, n), dtype=torch.float32)
+    for lo in range(0, n, step):
+        take = min(step, n - lo)
+        want = scratch[:take]
+        _fill(want, start + lo, salt, seed)
+        if not torch.equal(flat[lo:lo + take], want.view(torch.int32)):
+            return False
+    return True
+
+
 @dataclass
 class _Shard:
     plan: TensorPlan
@@ -245,14 +270,26 @@ class RankState:
     Args:
         spec: The workload.
         mesh: The 1-D CPU device mesh of this world size.
+        in_place: Load into the source tensors (zeroed first) rather than into a second
+            copy, and check a load against values regenerated chunk by chunk: the rank
+            holds its share once, not twice. A source that a load has overwritten is
+            made whole again by :meth:`verify` (or by :meth:`source`, if the load failed
+            before it could be checked), so every save still saves the expected values.
     """
 
     spec: WorkloadSpec
     mesh: DeviceMesh
+    in_place: bool = False
     _shards: list[_Shard] = field(init=False)
     _expected: dict[str, torch.Tensor] | None = field(default=None, init=False)
     _destination: dict[str, torch.Tensor] | None = field(default=None, init=False)
     _concat: bytearray | None = field(default=None, init=False)
+    #: Whether the source tensors hold the expected values (``False`` while an in-place
+    #: load's destination is not yet checked).
+    _source_valid: bool = field(default=True, init=False)
+    #: In place: whether a destination was handed out, and the last check's verdict.
+    _loaded: bool = field(default=False, init=False)
+    _load_ok: bool = field(default=False, init=False)
     #: Per-system caches that live as long as the state (e.g. the limits' buffers).
     scratch: dict[str, Any] = field(default_factory=dict, init=False)
 
@@ -281,7 +318,15 @@ class RankState:
                 _fill(t, s.start, s.plan.index, self.spec.seed)
                 expected[s.plan.name] = t
             self._expected = expected
+            self._source_valid = True
         return self._expected
+
+    def _restore(self) -> None:
+        """Write the expected values into the source tensors again."""
+        tensors = self._expected_locals()
+        for s in self._shards:
+            _fill(tensors[s.plan.name], s.start, s.plan.index, self.spec.seed)
+        self._source_valid = True
 
     def _wrap(self, locals_: dict[str, torch.Tensor]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -292,14 +337,29 @@ class RankState:
                 stride=_contiguous_stride(s.plan.shape))
         return out
 
+    def _valid_source(self) -> dict[str, torch.Tensor]:
+        tensors = self._expected_locals()
+        if not self._source_valid:
+            logger.warning("the last in-place load was not checked: restoring the source")
+            self._restore()
+        return tensors
+
     def source(self) -> dict[str, Any]:
         """The state dict to save: DTensors over this rank's expected shards (cached;
         savers never modify it)."""
-        return self._wrap(self._expected_locals())
+        return self._wrap(self._valid_source())
 
     def destination(self) -> dict[str, Any]:
         """A zeroed state dict of the same structure to load into (its pages touched
-        now, so the memory a load adds is what the load itself allocates)."""
+        now, so the memory a load adds is what the load itself allocates). In place:
+        the source tensors, zeroed."""
+        if self.in_place:
+            tensors = self._expected_locals()
+            self._source_valid = False
+            self._loaded = True
+            for t in tensors.values():
+                t.zero_()
+            return self._wrap(tensors)
         if self._destination is None:
             self._destination = {s.plan.name: torch.empty(s.local_shape, dtype=torch.float32)
                                  for s in self._shards}
@@ -310,10 +370,18 @@ class RankState:
     def local_views(self, which: str = "source") -> list[memoryview]:
         """Byte views of the local shards in plan order (``"source"`` or
         ``"destination"``), for the raw-I/O limits."""
-        tensors = self._expected_locals() if which == "source" else self._destination
-        if tensors is None:
-            self.destination()
+        tensors: dict[str, torch.Tensor] | None
+        if which == "source":
+            tensors = self._valid_source()
+        elif self.in_place:
+            if self._source_valid:
+                self.destination()
+            tensors = self._expected_locals()
+        else:
             tensors = self._destination
+            if tensors is None:
+                self.destination()
+                tensors = self._destination
         assert tensors is not None
         return [_byte_view(tensors[s.plan.name]) for s in self._shards]
 
@@ -322,9 +390,17 @@ class RankState:
         if self._concat is None:
             buf = bytearray(self.share_bytes)
             pos = 0
-            for view in self.local_views("source"):
-                buf[pos:pos + len(view)] = view
-                pos += len(view)
+            tensors = self._expected_locals()
+            for s in self._shards:
+                if not s.nbytes:
+                    continue
+                if self._source_valid:
+                    buf[pos:pos + s.nbytes] = _byte_view(tensors[s.plan.name])
+                else:  # the source holds an unchecked in-place load: regenerate
+                    _fill(torch.frombuffer(buf, dtype=torch.float32, offset=pos,
+                                           count=s.nbytes // _ELEM),
+                          s.start, s.plan.index, self.spec.seed)
+                pos += s.nbytes
             self._concat = buf
         return self._concat
 
@@ -333,7 +409,28 @@ class RankState:
         self._destination = None
 
     def verify(self) -> bool:
-        """Whether the destination holds exactly the expected bytes (bit-exact)."""
+        """Whether the destination holds exactly the expected bytes (bit-exact).
+
+        In place, each tensor is compared with values regenerated chunk by chunk; the
+        source is then whole again (restored if the load was wrong)."""
+        if self.in_place:
+            if self._expected is None or not self._loaded:
+                return False  # nothing was loaded
+            if self._source_valid:
+                return self._load_ok  # checked already
+            ok = True
+            for s in self._shards:
+                if not _matches_values(self._expected[s.plan.name], s.start, s.plan.index,
+                                       self.spec.seed):
+                    logger.error("%s: loaded bytes differ from the saved ones", s.plan.name)
+                    ok = False
+                    break
+            self._load_ok = ok
+            if ok:
+                self._source_valid = True
+            else:
+                self._restore()
+            return ok
         if self._destination is None:
             return False
         expected = self._expected_locals()
