@@ -5,13 +5,17 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from dcpstore import local
+import dcpstore
+from dcpstore import layout, local
 from dcpstore.backend import Failure, ReadRange
 from dcpstore.errors import BucketNotFoundError, StoreThrottledError
 from dcpstore.local import LocalBackend, LocalOptions
@@ -71,6 +75,105 @@ def test_data_files_start_writeback_as_they_are_written(
 def test_writeback_option_is_validated() -> None:
     with pytest.raises(ValueError, match="writeback"):
         LocalOptions(writeback=-1).validate()
+
+
+def test_writeback_is_skipped_where_the_platform_has_no_sync_file_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(local, "_sync_file_range", lambda: None)  # not Linux
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    backend = LocalBackend(str(tmp_path))
+    data = os.urandom(20 * MiB)
+    with backend.open_upload("__0_0.x.distcp") as upload:
+        upload.write(data)
+        upload.commit()
+    assert (tmp_path / "__0_0.x.distcp").read_bytes() == data
+    assert len(synced) == 1  # all of it left to the fsync of commit
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_libc_sync_file_range_is_found_on_linux() -> None:
+    assert local._sync_file_range() is not None
+
+
+# -- the durability sequence of a whole save ------------------------------------------------
+
+
+class _Journal:
+    """What a save asks of the disk, in order: write-back started (``kick``), ``fsync``
+    (of a file or a directory) and ``rename``, with paths relative to ``root``."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.events: list[tuple[Any, ...]] = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def kick(fd: int, offset: int, nbytes: int, flags: int) -> int:
+            assert flags == 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
+            self.events.append(("kick", self._name(fd), offset, nbytes))
+            return 0
+
+        def fsync(fd: int) -> None:
+            self.events.append(("fsync", self._name(fd)))
+            real_fsync(fd)
+
+        def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            self.events.append(("rename", self._rel(src), self._rel(dst)))
+            real_replace(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(local, "_sync_file_range", lambda: kick)
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+    def _rel(self, path: Any) -> str:
+        return os.path.relpath(os.fspath(path), self.root)
+
+    def _name(self, fd: int) -> str:
+        return self._rel(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def index(self, event: tuple[Any, ...]) -> int:
+        return self.events.index(event)
+
+
+def _big_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {"w": torch.randn(1024, 1024, generator=g),  # 4 MiB
+            "b": torch.randn(1000, generator=g), "step": 3}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_save_starts_writeback_and_syncs_data_before_the_commit_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Data files: write-back started every ``writeback`` bytes as they are written, then
+    ``fsync``; only then the manifest and the temporary ``.metadata`` are written and
+    ``fsync``-ed, renamed over ``.metadata`` (the commit point) and the directory
+    ``fsync``-ed."""
+    uri = tmp_path / "ckpt"
+    journal = _Journal(uri, monkeypatch)
+    state = _big_state()
+    dcpstore.save(state, str(uri), writeback=MiB)
+
+    (data,) = [f for f in os.listdir(uri) if f.endswith(".distcp")]
+    size = (uri / data).stat().st_size
+    kicks = [e[2:] for e in journal.events if e[0] == "kick" and e[1] == data]
+    # every whole MiB, in order, as written; the tail is left to the fsync
+    assert kicks == [(i * MiB, MiB) for i in range(size // MiB)]
+    assert journal.index(("kick", data, *kicks[-1])) < journal.index(("fsync", data))
+    manifest = next(f for f in os.listdir(uri) if f.startswith(".dcpstore-"))
+    (rename,) = [e for e in journal.events if e[0] == "rename"]
+    temp = rename[1]
+    assert rename[2] == layout.METADATA_KEY
+    order = [journal.index(("fsync", data)), journal.index(("fsync", manifest)),
+             journal.index(("fsync", temp)), journal.index(rename),
+             journal.index(("fsync", "."))]
+    assert order == sorted(order), journal.events
+    out = {"w": torch.zeros(1024, 1024), "b": torch.zeros(1000), "step": 0}
+    dcpstore.load(out, str(uri))
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    assert out["step"] == 3
 
 
 # -- the base class: one classification, lazy client, pickling ------------------------------
