@@ -497,6 +497,8 @@ def save_with_scratch(target: str, kind: str, write: Callable[[str], Any],
         if main and fresh:  # leave no leftovers where there was nothing before
             with contextlib.suppress(Exception):
                 _delete_tree(join_uri(target, subdir) if subdir else target)
+        with contextlib.suppress(Exception):  # (a broken process group fails it at once)
+            _barrier()  # no rank returns before the leftovers are gone
         raise
     if main:
         _commit(store, kind, marker)
