@@ -702,8 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
     if args.render is not None:
-        result = json.loads((args.render / "results.json").read_text())
-        return _finish(result, args.render)
+        rendered = json.loads((args.render / "results.json").read_text())
+        return _finish(rendered, args.render)
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     # inherited by the servers the stores start (weed, fake-gcs-server), not the ranks'
     if args.server_memory_bytes is None:
