@@ -43,7 +43,7 @@ test: setup
 # The benchmark (docs/performance.md): the full run writes the committed results and the
 # docs' chart: 2 ranks on local disk, SeaweedFS and fake-gcs-server, then moto in a single
 # process at 256 MiB (its own target); both print their estimate. The default 512 MiB
-# (256 MiB per rank) keeps both under 20 min on 2 cores; BENCH_SIZE=1GiB takes ~25 min
+# (256 MiB per rank) takes 16-22 min on 2 cores for both; BENCH_SIZE=1GiB takes ~25 min
 # (docs/performance.md, "Duration"). The quick one is CI's smoke test.
 BENCH_SIZE ?= 512MiB
 bench: setup
