@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import pickle
 import threading
 import time
@@ -271,12 +272,12 @@ class _ChecksumStream(io.RawIOBase):
 
 
 def _item_nbytes(item: WriteItem) -> int:
+    """Bytes of this rank's chunk of a tensor item (``tensor_data.size`` is the whole
+    tensor's: a shard of a tensor sharded over W ranks would count W times)."""
     if item.tensor_data is None:
         return 0
-    n = 1
-    for s in item.tensor_data.size:
-        n *= s
-    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(
+        item.tensor_data.properties.dtype)
 
 
 def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -119,7 +119,10 @@ def test_local_disk_keeps_one_file_per_rank(tmp_path: Path) -> None:
     assert len([p for p in (tmp_path / "c").iterdir() if _data_file(p.name)]) == 1
 
 
-def _item(name: str, nbytes: int) -> WriteItem:
+def _item(name: str, nbytes: int, *, of: int | None = None) -> WriteItem:
+    """A uint8 tensor item of ``nbytes``: the whole tensor, or this rank's shard of a
+    tensor of ``of`` bytes (as DCP plans a DTensor's local shard: ``size`` is the whole
+    tensor's, ``chunk.sizes`` the shard's)."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         TensorProperties,
@@ -130,7 +133,8 @@ def _item(name: str, nbytes: int) -> WriteItem:
         index=MetadataIndex(name), type=WriteItemType.TENSOR,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([nbytes])),
-            properties=TensorProperties(dtype=torch.uint8), size=torch.Size([nbytes])))
+            properties=TensorProperties(dtype=torch.uint8),
+            size=torch.Size([nbytes if of is None else of])))
 
 
 def _byte_item(name: str) -> WriteItem:
@@ -151,6 +155,17 @@ def test_pack_items_fills_files_up_to_the_preferred_size() -> None:
     # only byte items: one file
     assert len(_pack_items([_byte_item("x"), _byte_item("y")], 10, 4)) == 1
     assert _pack_items([], 10, 4) == []
+
+
+def test_pack_items_counts_a_shard_by_its_own_bytes() -> None:
+    # 8 ranks' worth of a 32-byte tensor each: every rank holds 4-byte shards, so four
+    # of them fill one 16-byte file (counted by the whole tensor, each shard would look
+    # 32 bytes, over the file size, and get a file of its own: W times the files and
+    # requests the layout means to make)
+    shards = [_item(f"s{i}", 4, of=32) for i in range(8)]
+    assert [_item_nbytes(i) for i in shards] == [4] * 8
+    files = _pack_items(shards, capacity=16, max_files=AUTO_MAX_FILES)
+    assert [sum(_item_nbytes(i) for i in f) for f in files] == [16, 16]
 
 
 def test_files_per_rank_option_values() -> None:
