@@ -439,15 +439,10 @@ class LimitS3(_PartLimit):
         return [f"{ctx.path}/limit_{ctx.rank}/p{i:05d}" for i in range(count)]
 
     def _config(self) -> Any:
-        from botocore.config import Config
+        from .systems import botocore_path_config  # the settings every botocore client gets
 
-        from .systems import BOTOCORE_S3_CONFIG  # the settings every botocore client gets
-
-        settings = dict(BOTOCORE_S3_CONFIG)
-        settings["s3"] = {**BOTOCORE_S3_CONFIG["s3"], "addressing_style": "path"}
-        return Config(
+        return botocore_path_config(
             max_pool_connections=self.concurrency + 4,
-            **settings,
             retries={"max_attempts": 3, "mode": "standard"},
             connect_timeout=10, read_timeout=300,
         )

@@ -70,21 +70,19 @@ def measure(server: S3Server, bucket: str, requests: int, rounds: int) -> dict[s
 
 def _measure(server: S3Server, bucket: str, requests: int, rounds: int) -> dict[str, Any]:
     import boto3
-    from botocore.config import Config
 
     import dcpstore
     from dcpstore.backend import ReadRange
 
-    from .systems import BOTOCORE_S3_CONFIG
+    from .systems import botocore_path_config
 
     out: dict[str, Any] = {"requests": requests, "rounds": rounds}
     backend = dcpstore.open_backend(
         f"s3://{bucket}/request-cost", endpoint_url=server.endpoint_url, addressing_style="path"
     )
-    settings = dict(BOTOCORE_S3_CONFIG)
-    settings["s3"] = {**BOTOCORE_S3_CONFIG["s3"], "addressing_style": "path"}
     client = boto3.session.Session().client(
-        "s3", endpoint_url=server.endpoint_url, region_name=server.region, config=Config(**settings)
+        "s3", endpoint_url=server.endpoint_url, region_name=server.region,
+        config=botocore_path_config(),
     )
     try:
         out["make_client_ms"] = _cpu_ms(backend._make_client, 5, rounds)

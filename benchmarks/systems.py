@@ -65,6 +65,7 @@ __all__ = [
     "OpContext",
     "Operation",
     "System",
+    "botocore_path_config",
     "environment",
     "get",
     "msc_part_profile",
@@ -84,6 +85,19 @@ BOTOCORE_S3_CONFIG: dict[str, Any] = {
     "request_checksum_calculation": "when_required",
     "response_checksum_validation": "when_required",
 }
+
+
+def botocore_path_config(**extra: Any) -> Any:
+    """A botocore ``Config`` with :data:`BOTOCORE_S3_CONFIG` and path-style addressing
+    (the stand-ins' buckets are not DNS names), plus ``extra`` (pools, retries,
+    timeouts): what the raw boto3 clients of the limits and of ``request_cost`` use."""
+    from botocore.config import Config
+
+    settings = dict(BOTOCORE_S3_CONFIG)
+    settings["s3"] = {**BOTOCORE_S3_CONFIG["s3"], "addressing_style": "path"}
+    return Config(**settings, **extra)
+
+
 #: How :data:`BOTOCORE_S3_CONFIG` reads in the report.
 BOTOCORE_SETTINGS: dict[str, str] = {
     "payload": "UNSIGNED-PAYLOAD (payload_signing_enabled=False)",
