@@ -6,7 +6,9 @@ speaks in keys relative to it. The generic :class:`~dcpstore.Writer` and
 
 Save (every rank)::
 
-    up = backend.open_upload("__0_0.<save>.distcp")   # one per data file
+    backend.preferred_object_size()                     # the automatic layout's files
+    backend.upload_memory(size)                         # each file's buffer, budgeted
+    up = backend.open_upload("__0_0.<save>.distcp", size_hint=size)  # one per data file
     up.write(buf); up.write(buf); ...                   # streamed, parts in flight
     info = up.commit()                                  # or up.abort() on failure
 
@@ -212,6 +214,13 @@ class Upload(abc.ABC):
     @abc.abstractmethod
     def write(self, data: Buffer) -> int:
         """Append ``data``; return the number of bytes taken (always ``len(data)``)."""
+
+    def expect_size(self, nbytes: int) -> None:
+        """Announce, before the first :meth:`write`, that the object will hold about
+        ``nbytes``: a backend may then store it with fewer requests (see
+        :meth:`Backend.upload_memory`). A hint only: more or fewer bytes may follow.
+        The default ignores it."""
+        return None
 
     @abc.abstractmethod
     def commit(self) -> ObjectInfo:
@@ -462,9 +471,27 @@ class Backend(abc.ABC):
 
     # -- public API ------------------------------------------------------------------
 
-    def open_upload(self, key: str) -> Upload:
-        """Start a streaming upload of ``key`` (see :class:`Upload`)."""
-        return self._call(self._open_upload, validate_key(key), key=key)
+    def open_upload(self, key: str, *, size_hint: int | None = None) -> Upload:
+        """Start a streaming upload of ``key`` (see :class:`Upload`).
+
+        Args:
+            key: The object's key.
+            size_hint: About how many bytes the object will hold, where the caller
+                knows (passed to :meth:`Upload.expect_size`).
+        """
+        upload = self._call(self._open_upload, validate_key(key), key=key)
+        if size_hint is not None:
+            upload.expect_size(size_hint)
+        return upload
+
+    def upload_memory(self, size_hint: int | None = None) -> int:
+        """Bytes an upload of an object of about ``size_hint`` bytes holds while it is
+        written, besides the parts in flight that ``max_concurrency`` bounds: the
+        buffer an object store's upload fills before its first request (an object that
+        fits is sent from it in one request). A writer running several uploads at once
+        budgets them with it. Default ``0``: the upload keeps nothing (local files are
+        written through)."""
+        return 0
 
     def put(self, key: str, data: bytes, *, atomic: bool = False) -> None:
         """Store a small object in one request. ``atomic=True`` promises readers see the

@@ -18,7 +18,15 @@ dropped when the backend is pickled (an unpickled backend makes a fresh one) and
 ``close()``. An upload keeps the state it started with until it ends.
 
 An object that ends smaller than one part is stored with a single request instead, so
-small files cost one PUT.
+small files cost one PUT. A caller that knows about how large the object will be says so
+with :meth:`~dcpstore.Upload.expect_size` (the writer does, for every data file): an
+object up to :meth:`MultipartUpload.whole_object_limit` is then filled into one buffer of
+its own size (pooled by size, the pools of all sizes within ``part_size x
+max_concurrency``: see :meth:`MultipartState.whole_buffers`) and sent with a single
+request too, where a
+multipart upload would cost a request per part plus two more. :func:`first_buffer_bytes`
+says how large that first buffer is, so a caller can budget the memory of the uploads it
+runs at once (:meth:`~dcpstore.Backend.upload_memory`).
 """
 
 from __future__ import annotations
@@ -40,9 +48,37 @@ from .concurrency import ConcurrencyLimit
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["MultipartState", "MultipartUpload", "PartBuffers", "anonymous_buffer"]
+__all__ = [
+    "MultipartState",
+    "MultipartUpload",
+    "PartBuffers",
+    "anonymous_buffer",
+    "first_buffer_bytes",
+]
 
 logger = logging.getLogger(__name__)
+
+#: A whole object's buffer is its announced size rounded up to this (the announcement
+#: may fall a little short: item headers, byte items of unknown size).
+_WHOLE_ROUNDING = 1 << 20
+
+
+def first_buffer_bytes(first_part: int, whole_limit: int, size_hint: int | None) -> int:
+    """The buffer an upload fills before its first request.
+
+    Args:
+        first_part: The size of part 1 (the buffer of an object of unknown size).
+        whole_limit: The largest announced object sent in one request.
+        size_hint: The object's announced size, if any.
+
+    Returns:
+        ``first_part``, or, for an announced object larger than that and at most
+        ``whole_limit``, its size rounded up to a MiB (then never below ``first_part``,
+        so an object that outgrows it still starts a valid multipart upload).
+    """
+    if size_hint is None or size_hint <= first_part or size_hint > whole_limit:
+        return first_part
+    return -(-size_hint // _WHOLE_ROUNDING) * _WHOLE_ROUNDING
 
 
 def anonymous_buffer(nbytes: int) -> mmap.mmap:
@@ -115,6 +151,17 @@ class PartBuffers:
             if len(self._free) < self.keep:
                 self._free.append(buf)
 
+    @property
+    def held(self) -> int:
+        """Bytes of the buffers in use and idle."""
+        with self._lock:
+            return (self.outstanding + len(self._free)) * self.size
+
+    def drop_idle(self) -> None:
+        """Drop every idle buffer (its memory goes back to the OS)."""
+        with self._lock:
+            self._free.clear()
+
 
 class MultipartState:
     """The multipart machinery's state of one backend: the limit on parts in flight (the
@@ -122,25 +169,34 @@ class MultipartState:
     ``max_concurrency``) and the part-buffer pools, one per size and allocator. Get it
     with :meth:`of`.
 
+    Whole announced objects' buffers (:meth:`whole_buffers`) come in varied sizes; their
+    pools together hold at most ``window`` bytes (in use and idle) where the uploads in
+    use allow: a new buffer drops the idle ones of other sizes first.
+
     Attributes:
         slots: Parts in flight at once, across every upload of the backend.
         pools: The :class:`PartBuffers` by ``(size, allocate)``.
+        whole_pools: The pools of whole objects' buffers, by ``(size, allocate)``.
     """
 
     _KEY = "multipart"
 
-    def __init__(self, slots: ConcurrencyLimit, keep: int) -> None:
+    def __init__(self, slots: ConcurrencyLimit, keep: int, window: int = 0) -> None:
         self.slots = slots
         self.pools: dict[tuple[int, Callable[[int], Buffer]], PartBuffers] = {}
+        self.whole_pools: dict[tuple[int, Callable[[int], Buffer]], PartBuffers] = {}
         self._keep = keep
+        self._window = window
         self._lock = threading.Lock()
 
     @classmethod
     def of(cls, backend: Backend) -> MultipartState:
         """The state of ``backend``, made on first use (dropped when the backend is
         pickled and by its ``close()``)."""
-        keep = backend.options.max_concurrency + 2
-        return backend._lazy(cls._KEY, lambda: cls(backend._concurrency("upload"), keep))
+        o = backend.options
+        return backend._lazy(cls._KEY, lambda: cls(backend._concurrency("upload"),
+                                                    o.max_concurrency + 2,
+                                                    o.part_size * o.max_concurrency))
 
     @classmethod
     def peek(cls, backend: Backend) -> MultipartState | None:
@@ -157,6 +213,26 @@ class MultipartState:
                 pool = self.pools[(size, allocate)] = PartBuffers(size, self._keep, allocate)
             return pool
 
+    def whole_buffers(self, size: int,
+                      allocate: Callable[[int], Buffer] = anonymous_buffer) -> PartBuffers:
+        """The pool of whole objects' buffers of ``size``, with room made for one more
+        of them: idle buffers of other sizes are dropped while the whole pools would
+        hold more than the window (a model's equal layers reuse one size)."""
+        with self._lock:
+            pool = self.whole_pools.get((size, allocate))
+            if pool is None:
+                keep = max(1, self._window // size)
+                pool = self.whole_pools[(size, allocate)] = PartBuffers(size, keep, allocate)
+            others = [p for p in self.whole_pools.values() if p is not pool]
+            held = sum(p.held for p in self.whole_pools.values())
+            for other in sorted(others, key=lambda p: p.size, reverse=True):
+                if held + size <= self._window:
+                    break
+                before = other.held
+                other.drop_idle()
+                held -= before - other.held
+            return pool
+
 
 class MultipartUpload(Upload):
     """Base class of part-based streaming uploads.
@@ -169,7 +245,8 @@ class MultipartUpload(Upload):
     - :meth:`_complete` assembles the parts,
     - :meth:`_abort_multipart` discards them,
 
-    and :meth:`_put_whole` stores a small object in one request. ``_upload_part`` and
+    and :meth:`_put_whole` stores an object of one buffer in one request (a small one,
+    or one announced by :meth:`expect_size`). ``_upload_part`` and
     ``_put_whole`` get a view of just the filled bytes of a pooled part buffer: it must
     not be used after they return (the buffer is reused). A full part's view spans its
     whole buffer (made by :meth:`_allocate_buffer`), which lets a client that only takes
@@ -201,6 +278,7 @@ class MultipartUpload(Upload):
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._expected: int | None = None
 
     @staticmethod
     def _allocate_buffer(nbytes: int) -> Buffer:
@@ -209,6 +287,19 @@ class MultipartUpload(Upload):
         Anonymous memory by default; override where the client wants another type.
         """
         return anonymous_buffer(nbytes)
+
+    def whole_object_limit(self) -> int:
+        """The largest announced object (:meth:`expect_size`) sent in one request.
+
+        The default sends none larger than part 1's buffer, as without an announcement;
+        a backend whose store pays per request overrides it (bounded by its memory)."""
+        return self.part_bytes(1)
+
+    def first_buffer(self) -> int:
+        """The size of the buffer filled before the first request (see
+        :func:`first_buffer_bytes`)."""
+        return first_buffer_bytes(self.part_bytes(1), self.whole_object_limit(),
+                                  self._expected)
 
     # -- requests (override) -----------------------------------------------------------
 
@@ -228,6 +319,14 @@ class MultipartUpload(Upload):
     def _put_whole(self, data: memoryview) -> None: ...
 
     # -- Upload ----------------------------------------------------------------------
+
+    def expect_size(self, nbytes: int) -> None:
+        """Announce about ``nbytes`` before the first write: an object up to
+        :meth:`whole_object_limit` is then buffered whole and sent in one request (one
+        that outgrows the buffer goes on as a multipart upload, its first part that
+        buffer). Ignored once writing began."""
+        if self._next_part == 1 and self._buffer is None:
+            self._expected = max(0, int(nbytes))
 
     def write(self, data: Buffer) -> int:
         if self._closed:
@@ -290,8 +389,14 @@ class MultipartUpload(Upload):
     # -- machinery ---------------------------------------------------------------------
 
     def _take_buffer(self) -> memoryview:
-        """Start filling a pooled buffer of the next part's size."""
-        pool = self._state.buffers(self.part_bytes(self._next_part), type(self)._allocate_buffer)
+        """Start filling a pooled buffer of the next part's size (a whole announced
+        object's: one of its size)."""
+        size = self.part_bytes(self._next_part)
+        whole = self.first_buffer() if self._next_part == 1 else size
+        if whole != size:
+            pool = self._state.whole_buffers(whole, type(self)._allocate_buffer)
+        else:
+            pool = self._state.buffers(size, type(self)._allocate_buffer)
         buf = pool.acquire()
         self._buffer, self._buffer_pool = buf, pool
         self._view = memoryview(buf).cast("B")

@@ -20,6 +20,7 @@ removes what the other ranks wrote. See ``docs/`` for the full commit protocol.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -27,7 +28,7 @@ import math
 import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -280,6 +281,45 @@ def _item_nbytes(item: WriteItem) -> int:
         item.tensor_data.properties.dtype)
 
 
+#: Headroom a data file's announced size gives each item beyond its tensor bytes: a
+#: tensor's archive headers (~1.6 KiB) and a byte item's pickle (size unknown up front).
+_TENSOR_HEADROOM = 4096
+_BYTES_HEADROOM = 64 * 1024
+
+
+def _file_bytes(items: Sequence[WriteItem]) -> int:
+    """About how large the data file of ``items`` will be (the size hint of its upload;
+    a byte item larger than its headroom only makes it an underestimate)."""
+    return sum(_item_nbytes(i) + (_BYTES_HEADROOM if i.type == WriteItemType.BYTE_IO
+                                  else _TENSOR_HEADROOM) for i in items)
+
+
+class _UploadWindow:
+    """The memory of the data files a rank writes at once: each holds the buffer its
+    upload fills before its first request (:meth:`~dcpstore.Backend.upload_memory`),
+    and together they hold at most ``capacity`` bytes; a file waits for room before it
+    resolves any item."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free = capacity
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` of the window (at most all of it) while the block runs."""
+        n = min(nbytes, self.capacity)
+        with self._cond:
+            self._cond.wait_for(lambda: self._free >= n)
+            self._free -= n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._free += n
+                self._cond.notify_all()
+
+
 def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Spread items over ``bins`` files: byte items round-robin, tensors largest-first
     into the emptiest file. Empty bins are dropped. One file keeps the save plan's order
@@ -503,17 +543,24 @@ class Writer(StorageWriter):
         assignment = self._assignment(plan)
         self.save_id = assignment.save_id
         base = assignment.base
-        buckets, threads = self._layout(plan.items)
+        buckets, threads, window = self._layout(plan.items)
         names = [layout.data_file_name(assignment.rank, i, self.save_id)
                  for i in range(len(buckets))]
+
+        def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            if window is None:
+                return self._write_file(name, items, planner, base)
+            hint = _file_bytes(items)
+            with window.hold(self.backend.upload_memory(hint)):
+                return self._write_file(name, items, planner, base, size_hint=hint)
+
         results: list[WriteResult] = []
         if len(buckets) <= 1 or threads <= 1:
             for name, bucket in zip(names, buckets, strict=True):
-                results += self._write_file(name, bucket, planner, base)
+                results += write(name, bucket)
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="dcpstore-file") as pool:
-                futures = [pool.submit(self._write_file, n, b, planner, base)
-                           for n, b in zip(names, buckets, strict=True)]
+                futures = [pool.submit(write, n, b) for n, b in zip(names, buckets, strict=True)]
                 errors = []
                 for pending in futures:
                     try:
@@ -526,35 +573,37 @@ class Writer(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _layout(self, items: Sequence[WriteItem]) -> tuple[list[list[WriteItem]], int]:
-        """This rank's data files (their items) and how many are written at once.
+    def _layout(
+        self, items: Sequence[WriteItem],
+    ) -> tuple[list[list[WriteItem]], int, _UploadWindow | None]:
+        """This rank's data files (their items), how many threads write them, and the
+        memory window those files share (``None``: none needed).
 
         Explicit ``files_per_rank=N``: N files, one thread each (like torch's
         ``FileSystemWriter(thread_count=N)``). Automatic: files of at most the backend's
-        :meth:`~dcpstore.Backend.preferred_object_size` (see :func:`_pack_items`), at
-        most ``min(max_concurrency, part_size x max_concurrency / that size)`` of them
-        written at once, so their buffers hold no more than the parts in flight may (a
-        save stays within ``2 x part_size x max_concurrency``; S3 defaults: 4 files of
-        up to 15 MiB at once; GCS: 16 of up to 30 MiB); one file where the backend
-        prefers none.
+        :meth:`~dcpstore.Backend.preferred_object_size` (see :func:`_pack_items`; a
+        tensor chunk larger than that gets a file of its own), each announced to its
+        upload with its size, so the backend may send a file in one request (S3: up to
+        ``part_size x max_concurrency``). Up to ``max_concurrency`` files are written
+        at once, as many as the window of ``part_size x max_concurrency`` bytes holds
+        their upload buffers (:meth:`~dcpstore.Backend.upload_memory`): with the parts
+        in flight, a save stays within ``2 x part_size x max_concurrency`` (S3
+        defaults: 4 files of up to 15 MiB at once, fewer larger ones; GCS: 16 of up to
+        30 MiB). One file where the backend prefers no size.
         """
         explicit = self.options.files_per_rank
         if explicit is not None:
             buckets = _split_items(items, explicit)
-            return buckets, len(buckets)
+            return buckets, len(buckets), None
         target = self.backend.preferred_object_size()
         if target is None:
-            return _split_items(items, 1), 1
+            return _split_items(items, 1), 1, None
         buckets = _pack_items(items, target, AUTO_MAX_FILES)
-        # each file being written holds a buffer of up to ~target bytes (a single-request
-        # object is sent from it): together no more than the parts in flight may hold,
-        # so a save stays within 2 x part_size x max_concurrency
         o = self.backend.options
-        budget = o.part_size * o.max_concurrency // target
-        threads = max(1, min(len(buckets), o.max_concurrency, budget))
-        logger.debug("rank %d: %d data files of at most ~%d bytes, %d at once", self.rank,
-                     len(buckets), target, threads)
-        return buckets, threads
+        threads = max(1, min(len(buckets), o.max_concurrency))
+        logger.debug("rank %d: %d data files of at most ~%d bytes (larger tensor chunks "
+                     "alone), up to %d at once", self.rank, len(buckets), target, threads)
+        return buckets, threads, _UploadWindow(o.part_size * o.max_concurrency)
 
     def _assignment(self, plan: SavePlan) -> _Assignment:
         """This rank's assignment for this save: the plan's own, or, for a plan torch
@@ -871,10 +920,10 @@ class Writer(StorageWriter):
 
     def _write_file(
         self, name: str, items: Sequence[WriteItem], planner: SavePlanner,
-        base: dict[_ChunkKey, _BaseItem] | None = None,
+        base: dict[_ChunkKey, _BaseItem] | None = None, size_hint: int | None = None,
     ) -> list[WriteResult]:
         started = time.perf_counter()
-        upload = self.backend.open_upload(name)
+        upload = self.backend.open_upload(name, size_hint=size_hint)
         stream = _ChecksumStream(upload)
         transforms = _StorageWriterTransforms(self.extensions) if self.extensions else None
         written: list[tuple[WriteItem, _WrittenItem]] = []

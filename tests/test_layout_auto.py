@@ -9,21 +9,26 @@ file per rank.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from stores import Store
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from typing_extensions import Buffer
 
 import dcpstore
 from dcpstore import layout
+from dcpstore.backend import BackendOptions, ObjectInfo, Upload
 from dcpstore.options import AUTO_MAX_FILES, WriterOptions, resolve_options
+from dcpstore.testing import MemoryBackend
 from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
-from dcpstore.writer import _item_nbytes, _pack_items
+from dcpstore.writer import Writer, _item_nbytes, _pack_items
 
 MiB = 1024 * 1024
 TENSORS = 12  # of 1 MiB each
@@ -112,6 +117,112 @@ def test_auto_layout_one_request_per_object(store: Store) -> None:
 
         files, saved, _ = _save_and_load(store, proxy, requests, files_per_rank=3)
         assert files == 3
+
+
+@pytest.mark.parametrize("store", ["moto"], indirect=True)
+def test_auto_layout_sends_an_announced_file_in_one_put(store: Store) -> None:
+    """A tensor chunk over the preferred size gets a file of its own; the writer
+    announces its size, so up to part_size x max_concurrency it is one PutObject, and
+    only a larger one is a multipart upload."""
+    assert store.upstream is not None
+    requests = _Requests()
+    # single PutObject up to 8 MiB unannounced, up to 5 MiB x 2 = 10 MiB announced
+    opts = {"part_size": 5 * MiB, "multipart_threshold": 8 * MiB, "max_concurrency": 2}
+    with FaultProxy(store.upstream, requests.plan()) as proxy:
+        via = {**store.via(proxy.endpoint_url).options, **opts}
+        for mib, single in ((9, True), (12, False)):
+            uri = store.uri(f"announced-{mib}")
+            state = {"big": torch.full((mib * MiB // 4,), 1.5), "small": torch.ones(8)}
+            requests.take()
+            dcpstore.save(state, uri, **via)
+            saved = requests.take()
+            files = sorted(f for f in store.files(uri) if _data_file(f))
+            assert len(files) == 2, files  # the big chunk alone, the small one beside
+            if single:
+                assert saved == Counter(PUT=2), saved
+            else:  # create + 3 parts (8 MiB buffer, 4 MiB) + complete; the small file
+                assert saved["POST"] == 2 and saved["PUT"] == 3, saved
+            out = {"big": torch.zeros(mib * MiB // 4), "small": torch.zeros(8)}
+            dcpstore.load(out, uri, **via)
+            assert torch.equal(out["big"], state["big"])
+            assert torch.equal(out["small"], state["small"])
+
+
+class _WindowedMemory(MemoryBackend):
+    """An in-memory store that asks for files of 1 MiB and whose uploads hold their
+    announced size until they end: records the most held at once."""
+
+    def __init__(self, location: str, options: BackendOptions | None = None) -> None:
+        super().__init__(location, options)
+        self.lock = threading.Lock()
+        self.held = self.peak = 0
+        self.announced: dict[str, int] = {}
+
+    def preferred_object_size(self) -> int | None:
+        return MiB
+
+    def upload_memory(self, size_hint: int | None = None) -> int:
+        return max(MiB, size_hint or 0)
+
+    def _open_upload(self, key: str) -> Upload:
+        return _HeldUpload(self, key, super()._open_upload(key))
+
+
+class _HeldUpload(Upload):
+    def __init__(self, backend: _WindowedMemory, key: str, inner: Upload) -> None:
+        self.backend, self.key, self.inner, self.held = backend, key, inner, 0
+
+    def expect_size(self, nbytes: int) -> None:
+        be = self.backend
+        with be.lock:
+            self.held = be.upload_memory(nbytes)
+            be.held += self.held
+            be.peak = max(be.peak, be.held)
+            be.announced[self.key] = nbytes
+
+    def write(self, data: Buffer) -> int:
+        return self.inner.write(data)
+
+    def _end(self) -> None:
+        with self.backend.lock:
+            self.backend.held -= self.held
+            self.held = 0
+
+    def commit(self) -> ObjectInfo:
+        try:
+            return self.inner.commit()
+        finally:
+            self._end()
+
+    def abort(self) -> None:
+        self.inner.abort()
+        self._end()
+
+
+def test_files_written_at_once_share_the_memory_window() -> None:
+    MemoryBackend.create_bucket("window")
+    try:
+        # window: part_size x max_concurrency = 4 MiB; chunks of 3, 2.5, 2, 1.5 and
+        # 1 MiB each get a file (over the 1 MiB preferred size), announced with its size
+        backend = _WindowedMemory("window/ckpt", BackendOptions(part_size=MiB,
+                                                                max_concurrency=4))
+        sizes = [3.0, 2.5, 2.0, 1.5, 1.0, 0.25, 0.25]
+        state = {f"t{i}": torch.full((int(mib * MiB) // 4,), float(i))
+                 for i, mib in enumerate(sizes)}
+        dcp.save(state, storage_writer=Writer(backend), no_dist=True)
+        assert 3 * MiB <= backend.peak <= 4 * MiB, backend.peak / MiB
+        assert backend.held == 0
+        stored = {o.key: o.size for o in backend.list("__")}
+        assert set(stored) == set(backend.announced)
+        for key, size in stored.items():  # each announcement covers its file
+            assert size <= backend.announced[key] < size + 64 * 1024, key
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=dcpstore.Reader(MemoryBackend("window/ckpt")),
+                 no_dist=True)
+        for key, value in state.items():
+            assert torch.equal(out[key], value), key
+    finally:
+        MemoryBackend.delete_bucket("window")
 
 
 def test_local_disk_keeps_one_file_per_rank(tmp_path: Path) -> None:

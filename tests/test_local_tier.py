@@ -636,8 +636,8 @@ def _arm(point: str, outdir: str, delay: float) -> None:
             _die(point, outdir)
         return out
 
-    def open_upload(self: Backend, key: str) -> Any:
-        up = real_upload(self, key)
+    def open_upload(self: Backend, key: str, **kw: Any) -> Any:
+        up = real_upload(self, key, **kw)
         if point == "mid_copy" and in_drain():
             real_write = up.write
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
-from dcpstore.multipart import MultipartState, MultipartUpload, PartBuffers
+from dcpstore.multipart import MultipartState, MultipartUpload, PartBuffers, first_buffer_bytes
 
 
 class _MemoryMultipart(MultipartUpload):
@@ -44,7 +44,8 @@ class _MemoryMultipart(MultipartUpload):
         self.backend.parts.pop(upload_id, None)
 
     def _put_whole(self, data: memoryview) -> None:
-        assert len(data) < self.part_size
+        assert len(data) < self.first_buffer()
+        self.backend.whole_puts.append(len(data))
         self.backend.objects[self.key] = bytes(data)
 
 
@@ -58,6 +59,7 @@ class _MemoryBackend(Backend):
         self.part_objects: list[Any] = []
         self.aborted: list[str] = []
         self.creates = 0
+        self.whole_puts: list[int] = []
         self.fail_part: int | None = None
         self.gate: threading.Event | None = None
 
@@ -191,6 +193,70 @@ def test_multipart_small_and_empty_objects_are_one_request() -> None:
     upload.write(b"y" * 1000)
     upload.commit()
     assert backend.objects["one"] == b"y" * 1000 and backend.creates == 1
+
+
+class _WholeMultipart(_MemoryMultipart):
+    """Sends announced objects up to 5 parts' bytes in one request."""
+
+    def whole_object_limit(self) -> int:
+        return 5 * self.part_size
+
+
+def test_multipart_announced_object_is_one_request_in_a_buffer_of_its_own(
+        monkeypatch: Any) -> None:
+    backend = _memory_backend()
+    monkeypatch.setattr(backend, "_open_upload", lambda key: _WholeMultipart(backend, key))
+    mib = 1 << 20
+    assert first_buffer_bytes(1000, 5000, 4321) == mib  # a whole MiB at least
+    assert first_buffer_bytes(8 * mib, 64 * mib, 19 * mib + 5) == 20 * mib
+    assert [first_buffer_bytes(8 * mib, 64 * mib, n) for n in (None, mib, 65 * mib)] == [
+        8 * mib] * 3
+    pool = _pool(backend)
+    data = secrets.token_bytes(4321)
+    upload = backend.open_upload("whole", size_hint=len(data))
+    _odd_writes(upload, data)
+    upload.commit()
+    assert backend.objects["whole"] == data
+    assert backend.whole_puts == [len(data)] and backend.creates == 0
+    assert pool.allocated == 0  # not a part buffer: one of its own size, kept for reuse
+    whole = MultipartState.of(backend).whole_buffers(mib, _MemoryMultipart._allocate_buffer)
+    assert whole.allocated == 1 and whole.free == 1
+
+    # an announcement that falls short: the filled buffer becomes part 1
+    data = secrets.token_bytes(5000)
+    upload = backend.open_upload("short", size_hint=len(data))
+    monkeypatch.setattr(upload, "first_buffer", lambda: 3000)
+    _odd_writes(upload, data)
+    upload.commit()
+    assert backend.objects["short"] == data and backend.creates == 1
+    assert [len(o) for o in backend.part_objects] == [3000, 1000, 1000]
+
+    # over the limit, or unannounced: parts as always
+    for key, hint in (("over", 6000), ("plain", None)):
+        backend.part_objects.clear()
+        upload = backend.open_upload(key, size_hint=hint)
+        _odd_writes(upload, data)
+        upload.commit()
+        assert backend.objects[key] == data
+        assert [len(o) for o in backend.part_objects] == [1000] * 5
+    assert backend.whole_puts == [4321]
+
+
+def test_whole_object_buffers_stay_within_the_window() -> None:
+    mib = 1 << 20
+    state = MultipartState.of(_memory_backend(part=mib, concurrency=4))  # 4 MiB
+    three = state.whole_buffers(3 * mib)
+    three.release(three.acquire())
+    assert three.held == 3 * mib
+    # another size: room is made by dropping the idle 3 MiB buffer
+    two = state.whole_buffers(2 * mib)
+    assert three.held == 0 and three.free == 0
+    held = [two.acquire(), two.acquire()]
+    # in use is never dropped; the same size is reused
+    assert state.whole_buffers(3 * mib) is three and two.held == 4 * mib
+    for buf in held:
+        two.release(buf)
+    assert two.free == 2 and state.whole_buffers(2 * mib).acquire() in held
 
 
 def test_multipart_abort_releases_every_buffer_and_slot() -> None:

@@ -136,6 +136,9 @@ class _FaultUpload(Upload):
     def write(self, data: Buffer) -> int:
         return int(self.owner._run("write", self.key, lambda: self.inner.write(data)))
 
+    def expect_size(self, nbytes: int) -> None:
+        self.inner.expect_size(nbytes)
+
     def commit(self) -> ObjectInfo:
         info: ObjectInfo = self.owner._run("commit", self.key, self.inner.commit)
         return info

@@ -554,6 +554,11 @@ class GCSBackend(Backend):
         self.client  # noqa: B018 (fail here, on credentials, not in a worker thread)
         return _CompositeUpload(self, key)
 
+    def upload_memory(self, size_hint: int | None = None) -> int:
+        """``part_size``: every upload fills one part before its first request (an
+        object that fits is one upload request)."""
+        return self.options.part_size
+
     def preferred_object_size(self) -> int | None:
         """15/16 of ``part_size``: files the automatic layout makes are smaller than one
         part, so each is one upload request (no parts, no compose, no deletes) and, on

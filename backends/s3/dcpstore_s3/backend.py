@@ -8,8 +8,9 @@ primitive              S3 requests
 ``_open_upload``       ``CreateMultipartUpload`` (when the first part is full),
                        ``UploadPart`` x N (concurrently, while later parts are being
                        serialized), ``CompleteMultipartUpload``; an object smaller than
-                       one part is a single ``PutObject``; abort is
-                       ``AbortMultipartUpload``
+                       one part, or announced (``expect_size``) and at most
+                       ``part_size x max_concurrency``, is a single ``PutObject``;
+                       abort is ``AbortMultipartUpload``
 ``_read_into``         one ranged ``GetObject`` (``Range: bytes=a-b``) per range,
                        streamed straight into the caller's buffers
 ``_put`` / ``_get``    ``PutObject`` (atomic on S3) / ``GetObject``
@@ -52,7 +53,7 @@ from botocore.exceptions import ClientError
 
 from dcpstore.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
 from dcpstore.errors import BucketNotFoundError
-from dcpstore.multipart import MultipartUpload
+from dcpstore.multipart import MultipartUpload, first_buffer_bytes
 from dcpstore.redact import install_log_redaction
 
 from . import _zerocopy
@@ -95,11 +96,16 @@ class S3MultipartUpload(MultipartUpload):
     part_growth = PART_GROWTH
 
     def part_bytes(self, number: int) -> int:
-        size = super().part_bytes(number)
         if number == 1:
-            # the buffer an object up to multipart_threshold is sent from in one PutObject
-            size = max(size, self.backend.options.multipart_threshold)
-        return min(MAX_PART_SIZE, size)
+            return self.backend._first_part()
+        return min(MAX_PART_SIZE, super().part_bytes(number))
+
+    def whole_object_limit(self) -> int:
+        """``part_size x max_concurrency``: an announced object up to the bytes the
+        parts in flight may hold is one ``PutObject`` (a request per object, not one per
+        part plus two: the request count bounds throughput on stores that pay per
+        request, such as SeaweedFS on few cores), within the same memory."""
+        return self.backend.whole_object_limit()
 
     def __init__(self, backend: S3Backend, key: str) -> None:
         super().__init__(backend, key)
@@ -334,6 +340,23 @@ class S3Backend(Backend):
 
     def _open_upload(self, key: str) -> Upload:
         return S3MultipartUpload(self, key)
+
+    def whole_object_limit(self) -> int:
+        """The largest announced object sent as one ``PutObject`` (see
+        :meth:`S3MultipartUpload.whole_object_limit`)."""
+        o = self.options
+        return min(MAX_PART_SIZE, o.part_size * o.max_concurrency)
+
+    def upload_memory(self, size_hint: int | None = None) -> int:
+        """The buffer an upload fills before its first request: ``multipart_threshold``,
+        or an announced object's size up to :meth:`whole_object_limit`."""
+        return first_buffer_bytes(self._first_part(), self.whole_object_limit(), size_hint)
+
+    def _first_part(self) -> int:
+        """Part 1's size: the buffer an object up to ``multipart_threshold`` is sent
+        from in one ``PutObject``."""
+        o = self.options
+        return min(MAX_PART_SIZE, max(o.multipart_threshold, o.part_size))
 
     def preferred_object_size(self) -> int | None:
         """15/16 of ``max(multipart_threshold, part_size)``: files the automatic layout

@@ -84,10 +84,14 @@ class S3Options(BackendOptions):
             ``PutObject``. Small parts keep an upload pipelined (the first part goes out
             while the next is filled, and the last one is short): 8 MiB was as fast as
             32 MiB on SeaweedFS and about 1.5x faster on moto.
-        multipart_threshold: Objects up to this size are stored with a single
-            ``PutObject`` (like boto3's ``multipart_threshold``): an upload fills one
-            buffer of this size first and starts a multipart upload only when the object
-            outgrows it (that buffer becomes part 1, the other parts are ``part_size``).
+        multipart_threshold: Objects of unknown size up to this are stored with a
+            single ``PutObject`` (like boto3's ``multipart_threshold``): an upload fills
+            one buffer of this size first and starts a multipart upload only when the
+            object outgrows it (that buffer becomes part 1, the other parts are
+            ``part_size``). An object whose size is announced
+            (:meth:`dcpstore.Upload.expect_size`; the writer announces every data file
+            of the automatic layout) is one ``PutObject`` up to ``part_size x
+            max_concurrency``, sent from a buffer of its size.
             The writer's automatic layout (``files_per_rank=None``) makes data files of
             up to 15/16 of it, so each is one ``PutObject`` on save and one GET on a
             same-world-size load (see :meth:`S3Backend.preferred_object_size`). 16 MiB:
@@ -102,9 +106,10 @@ class S3Options(BackendOptions):
             (parts in flight) plus ``max(multipart_threshold, part_size) x`` the files
             being written at once (each fills its first buffer; a single ``PutObject``
             is sent from the one it filled): ``files_per_rank`` of them when set; with
-            the automatic layout at most ``part_size x max_concurrency / (15/16 x
-            multipart_threshold)`` (4 at the defaults), so the whole save stays within
-            ``2 x part_size x max_concurrency`` (128 MiB at the defaults). Parts over
+            the automatic layout as many as their buffers (announced sizes) fit in
+            ``part_size x max_concurrency`` (4 files of 15 MiB at the defaults), so the
+            whole save stays within ``2 x part_size x max_concurrency`` (128 MiB at the
+            defaults). Parts over
             number 1,000 grow up to 4x ``part_size`` (7.8 GiB objects at the default
             part size). Up to ``max_concurrency + 2`` buffers of each size are kept for
             reuse until the backend is closed (``dcpstore.save`` closes it).

@@ -65,8 +65,8 @@ class CheckpointTests(ConformanceBase):
             events.append(f"put {key}")
             orig_put(key, data, atomic=atomic)
 
-        def open_upload(key: str) -> Any:
-            up = orig_open(key)
+        def open_upload(key: str, *, size_hint: int | None = None) -> Any:
+            up = orig_open(key, size_hint=size_hint)
             orig_commit = up.commit
 
             def commit() -> Any:
