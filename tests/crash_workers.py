@@ -434,8 +434,8 @@ def install_fault_hooks() -> None:
     def active(name: str) -> bool:
         return name == _ACTIVE_FAULT and FAULTS.get(name, (-1, ""))[0] == rank
 
-    def faulty_open_upload(self: Backend, key: str) -> Upload:
-        upload = open_upload(self, key)
+    def faulty_open_upload(self: Backend, key: str, **kw: Any) -> Upload:
+        upload = open_upload(self, key, **kw)
         if active("rank1-mid-upload") or active("rank0-mid-upload"):
             return _FailingUpload(upload, 1024 * 1024)
         if active("rank1-upload-commit"):

@@ -660,7 +660,8 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
     monkeypatch.setattr(S3MultipartUpload, "_create", create)
     monkeypatch.setattr(dcpstore.writer, "_prepare_tensor", prepare)
     with pytest.raises(RuntimeError, match="mid-write"):
-        dcpstore.save(state, uri, **_opts(s3))
+        # one 16 MiB file: its first 8 MiB are parts of a multipart upload by the crash
+        dcpstore.save(state, uri, files_per_rank=1, **_opts(s3))
     assert created, "the failed save had not started a multipart upload"
     backend = dcpstore.open_backend(uri, **_opts(s3))
     assert backend.list() == []
