@@ -515,9 +515,12 @@ def machine_info() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        # the run's own outputs (results, the published chart) do not make it dirty:
+        # make bench's second command runs after the first one wrote them
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
+                                "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results", ":(exclude)docs/img"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
         if commit and dirty:
             commit += " (with uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
