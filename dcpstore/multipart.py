@@ -23,10 +23,9 @@ with :meth:`~dcpstore.Upload.expect_size` (the writer does, for every data file)
 object up to :meth:`MultipartUpload.whole_object_limit` is then filled into one buffer of
 its own size (pooled by size, the pools of all sizes within ``part_size x
 max_concurrency``: see :meth:`MultipartState.whole_buffers`) and sent with a single
-request too, where a
-multipart upload would cost a request per part plus two more. :func:`first_buffer_bytes`
-says how large that first buffer is, so a caller can budget the memory of the uploads it
-runs at once (:meth:`~dcpstore.Backend.upload_memory`).
+request too, where a multipart upload would cost a request per part plus two more.
+:func:`first_buffer_bytes` says how large that first buffer is, so a caller can budget
+the memory of the uploads it runs at once (:meth:`~dcpstore.Backend.upload_memory`).
 """
 
 from __future__ import annotations
