@@ -20,8 +20,8 @@ dropped when the backend is pickled (an unpickled backend makes a fresh one) and
 An object that ends smaller than one part is stored with a single request instead, so
 small files cost one PUT. A caller that knows about how large the object will be says so
 with :meth:`~dcpstore.Upload.expect_size` (the writer does, for every data file): an
-object up to :meth:`MultipartUpload.whole_object_limit` is then filled into one buffer of
-its own size (pooled by size, the pools of all sizes within ``part_size x
+object the backend's :meth:`~dcpstore.Backend.upload_memory` says fits is then filled into
+one buffer of its own size (pooled by size, the pools of all sizes within ``part_size x
 max_concurrency``: see :meth:`MultipartState.whole_buffers`) and sent with a single
 request too, where a multipart upload would cost a request per part plus two more.
 :func:`first_buffer_bytes` says how large that first buffer is, so a caller can budget
@@ -287,18 +287,11 @@ class MultipartUpload(Upload):
         """
         return anonymous_buffer(nbytes)
 
-    def whole_object_limit(self) -> int:
-        """The largest announced object (:meth:`expect_size`) sent in one request.
-
-        The default sends none larger than part 1's buffer, as without an announcement;
-        a backend whose store pays per request overrides it (bounded by its memory)."""
-        return self.part_bytes(1)
-
     def first_buffer(self) -> int:
-        """The size of the buffer filled before the first request (see
-        :func:`first_buffer_bytes`)."""
-        return first_buffer_bytes(self.part_bytes(1), self.whole_object_limit(),
-                                  self._expected)
+        """The size of the buffer filled before the first request: what the backend's
+        :meth:`~dcpstore.Backend.upload_memory` says an upload of the announced size
+        holds (S3: :func:`first_buffer_bytes`), never less than part 1."""
+        return max(self.part_bytes(1), self.backend.upload_memory(self._expected))
 
     # -- requests (override) -----------------------------------------------------------
 
@@ -320,8 +313,8 @@ class MultipartUpload(Upload):
     # -- Upload ----------------------------------------------------------------------
 
     def expect_size(self, nbytes: int) -> None:
-        """Announce about ``nbytes`` before the first write: an object up to
-        :meth:`whole_object_limit` is then buffered whole and sent in one request (one
+        """Announce about ``nbytes`` before the first write: an object that fits the
+        buffer :meth:`first_buffer` then sizes is sent in one request (one
         that outgrows the buffer goes on as a multipart upload, its first part that
         buffer). Ignored once writing began."""
         if self._next_part == 1 and self._buffer is None:

@@ -195,17 +195,12 @@ def test_multipart_small_and_empty_objects_are_one_request() -> None:
     assert backend.objects["one"] == b"y" * 1000 and backend.creates == 1
 
 
-class _WholeMultipart(_MemoryMultipart):
-    """Sends announced objects up to 5 parts' bytes in one request."""
-
-    def whole_object_limit(self) -> int:
-        return 5 * self.part_size
-
-
 def test_multipart_announced_object_is_one_request_in_a_buffer_of_its_own(
         monkeypatch: Any) -> None:
     backend = _memory_backend()
-    monkeypatch.setattr(backend, "_open_upload", lambda key: _WholeMultipart(backend, key))
+    # announced objects up to 5 parts' bytes are sent in one request
+    monkeypatch.setattr(backend, "upload_memory",
+                        lambda hint=None: first_buffer_bytes(1000, 5000, hint))
     mib = 1 << 20
     assert first_buffer_bytes(1000, 5000, 4321) == mib  # a whole MiB at least
     assert first_buffer_bytes(8 * mib, 64 * mib, 19 * mib + 5) == 20 * mib

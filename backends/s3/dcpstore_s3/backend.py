@@ -100,13 +100,6 @@ class S3MultipartUpload(MultipartUpload):
             return self.backend._first_part()
         return min(MAX_PART_SIZE, super().part_bytes(number))
 
-    def whole_object_limit(self) -> int:
-        """``part_size x max_concurrency``: an announced object up to the bytes the
-        parts in flight may hold is one ``PutObject`` (a request per object, not one per
-        part plus two: the request count bounds throughput on stores that pay per
-        request, such as SeaweedFS on few cores), within the same memory."""
-        return self.backend.whole_object_limit()
-
     def __init__(self, backend: S3Backend, key: str) -> None:
         super().__init__(backend, key)
         self.physical_key = backend._physical(key)
@@ -342,14 +335,17 @@ class S3Backend(Backend):
         return S3MultipartUpload(self, key)
 
     def whole_object_limit(self) -> int:
-        """The largest announced object sent as one ``PutObject`` (see
-        :meth:`S3MultipartUpload.whole_object_limit`)."""
+        """``part_size x max_concurrency``: an announced object up to the bytes the
+        parts in flight may hold is one ``PutObject`` (a request per object, not one per
+        part plus two: the request count bounds throughput on stores that pay per
+        request, such as SeaweedFS on few cores), within the same memory."""
         o = self.options
         return min(MAX_PART_SIZE, o.part_size * o.max_concurrency)
 
     def upload_memory(self, size_hint: int | None = None) -> int:
-        """The buffer an upload fills before its first request: ``multipart_threshold``,
-        or an announced object's size up to :meth:`whole_object_limit`."""
+        """The buffer an upload fills before its first request (the uploads size it
+        with this): ``multipart_threshold``, or an announced object's size up to
+        :meth:`whole_object_limit`."""
         return first_buffer_bytes(self._first_part(), self.whole_object_limit(), size_hint)
 
     def _first_part(self) -> int:
