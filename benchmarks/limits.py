@@ -60,6 +60,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
+import torch
+
 from .systems import TLS_TRUST, OpContext, Operation, System
 from .workload import RankState, format_bytes, parse_size
 
@@ -156,8 +158,15 @@ def _destination(state: RankState) -> memoryview:
 
 
 def _matches(view: memoryview, state: RankState) -> bool:
+    """Whether ``view`` starts with this rank's bytes. Compared as 32-bit words with
+    torch (the shards are float32, so the length is a multiple of 4): ``memoryview``'s
+    own ``==`` goes byte by byte, over a second per 256 MiB on these cores."""
     expected = state.concat()
-    return view[:len(expected)] == expected
+    n = len(expected)
+    if n % 4:
+        return view[:n] == expected
+    return torch.equal(torch.frombuffer(view, dtype=torch.int32, count=n // 4),
+                       torch.frombuffer(expected, dtype=torch.int32))
 
 
 # -- local ---------------------------------------------------------------------------------

@@ -131,6 +131,9 @@ class Stores:
         self.info: dict[str, StoreInfo] = {}
         self.proxies: dict[str, Any] = {}
         self._servers: dict[str, Any] = {}
+        #: store -> its S3 server's administrative client (for :meth:`delete`): one per
+        #: server, not one per deletion (a botocore client takes ~0.1 s to build)
+        self._admin: dict[str, Any] = {}
         self.budgets = dict(SERVER_BUDGETS if budgets is None else budgets)
         #: store -> bytes written to its current server (see :meth:`reserve`)
         self.written: dict[str, int] = {}
@@ -149,6 +152,9 @@ class Stores:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for admin in self._admin.values():
+            admin.close()
+        self._admin.clear()
         self._stack.close()
         if self._own_local_dir is not None:
             shutil.rmtree(self._own_local_dir, ignore_errors=True)
@@ -253,6 +259,9 @@ class Stores:
         is gone."""
         stack = self._stacks.pop(name)
         self._servers.pop(name, None)
+        admin = self._admin.pop(name, None)
+        if admin is not None:
+            admin.close()
         self.proxies.pop(name, None)
         stack.close()
         self.restarts[name] = self.restarts.get(name, 0) + 1
@@ -290,7 +299,9 @@ class Stores:
             if info.kind == "local":
                 shutil.rmtree(os.path.join(info.root, path), ignore_errors=True)
             elif info.kind == "s3":
-                _s3_delete_prefix(self._servers[name], info.root, path.rstrip("/") + "/")
+                if name not in self._admin:
+                    self._admin[name] = self._servers[name].client()
+                _s3_delete_prefix(self._admin[name], info.root, path.rstrip("/") + "/")
             else:
                 _gcs_delete_prefix(info, path.rstrip("/") + "/")
         except Exception as exc:  # cleanup must not fail the benchmark
@@ -349,28 +360,24 @@ def _write_yaml(path: Path, data: dict[str, Any]) -> None:
         path.write_text(json.dumps(data, indent=1))
 
 
-def _s3_delete_prefix(server: Any, bucket: str, prefix: str) -> None:
-    client = server.client()
-    try:
-        for upload in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get(
-                "Uploads", []):
-            with contextlib.suppress(Exception):
-                client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
-                                              UploadId=upload["UploadId"])
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-            if token:
-                kwargs["ContinuationToken"] = token
-            page = client.list_objects_v2(**kwargs)
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-            if not page.get("IsTruncated"):
-                break
-            token = page.get("NextContinuationToken")
-    finally:
-        client.close()
+def _s3_delete_prefix(client: Any, bucket: str, prefix: str) -> None:
+    for upload in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get(
+            "Uploads", []):
+        with contextlib.suppress(Exception):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
+                                          UploadId=upload["UploadId"])
+    token: str | None = None
+    while True:
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        if token:
+            kwargs["ContinuationToken"] = token
+        page = client.list_objects_v2(**kwargs)
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        if not page.get("IsTruncated"):
+            break
+        token = page.get("NextContinuationToken")
 
 
 def _gcs_delete_prefix(info: StoreInfo, prefix: str) -> None:
