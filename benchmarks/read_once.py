@@ -158,10 +158,12 @@ def _rank(rank: int, port: int, seaweed: dict[str, Any], local_dir: str, mib: in
                         options = dict(counted.get(store, {}))
                         options["broadcast_reads"] = mode == "on"
                         reader = dcpstore.get_reader(uri, **options)
-                        dist.barrier()
+                        # reset before the barrier: past it the other ranks start
+                        # loading at once, and their first GETs must count
                         if proxy is not None:
                             proxy.reset_stats()
                             gets.clear()
+                        dist.barrier()
                         start = time.perf_counter()
                         dcp.load(state, storage_reader=reader)
                         seconds = time.perf_counter() - start
