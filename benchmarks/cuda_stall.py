@@ -122,7 +122,7 @@ class _Saver:
         self.pending: Any = None
         if system.startswith("dcpstore"):
             import dcpstore
-            from dcpstore.staging import StagingOptions
+            from dcpstore.dcp.staging import StagingOptions
 
             variant = system[len("dcpstore["):-1]
             mode = None if variant == "blocking" else variant.split("-")[0]

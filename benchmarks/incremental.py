@@ -55,8 +55,8 @@ import xxhash
 from torch import nn
 
 import dcpstore
-from dcpstore import ops
 from dcpstore.testing import assert_state_equal
+from dcpstore.tools import ops
 
 __all__ = ["lora_state", "main", "render_markdown", "training_state"]
 
@@ -264,7 +264,7 @@ def evaluate_targets(summary: dict[str, Any], hash_s: float | None = None
 def hash_state_seconds(size: int, repeats: int = 5) -> float:
     """Seconds to XXH3-128 every payload of the full-training state, as the writer does
     (median of ``repeats``): the CPU a save spends on hashing."""
-    from dcpstore.writer import payload_digest
+    from dcpstore.dcp.writer import payload_digest
 
     state, _ = training_state(size)
     times = []

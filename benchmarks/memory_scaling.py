@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, port: int, tensors: int, root: str,
     from torch.distributed.tensor import DTensor, Shard
 
     import dcpstore
-    from dcpstore.writer import Writer
+    from dcpstore.dcp.writer import Writer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -120,8 +120,8 @@ def _rank(rank: int, world: int, port: int, tensors: int, root: str,
         def reader() -> Any:
             return FileSystemReader(root)
     else:
-        import dcpstore.reader
-        hook(dcpstore.reader, "fetch_and_deliver", "load")
+        import dcpstore.dcp.reader
+        hook(dcpstore.dcp.reader, "fetch_and_deliver", "load")
         hook(Writer, "finish", "save")
 
         def writer() -> Any:

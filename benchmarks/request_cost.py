@@ -6,7 +6,7 @@ load's throughput follows its client CPU per byte. This measures the fixed parts
 one thread, against a SeaweedFS started on 127.0.0.1:
 
 - making a botocore S3 client (what a backend paid on every ``save`` / ``load`` before
-  backends shared one, :mod:`dcpstore.clients`);
+  backends shared one, :mod:`dcpstore.storage.clients`);
 - one ``GET`` through dcpstore's S3 backend (``read_ranges`` of one range: its
   retries, concurrency gate and the request) and through a
   plain boto3 client with the same settings (the limit's client), for a 1-byte and a
@@ -72,7 +72,7 @@ def _measure(server: S3Server, bucket: str, requests: int, rounds: int) -> dict[
     import boto3
 
     import dcpstore
-    from dcpstore.backend import ReadRange
+    from dcpstore.storage.backend import ReadRange
 
     from .systems import botocore_path_config
 

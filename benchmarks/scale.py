@@ -235,9 +235,9 @@ class _World:
 
     def results(self, save_id: str) -> list[list[WriteResult]]:
         """Every rank's write results (one data file per rank), as ``finish`` gets them."""
-        from dcpstore import layout
-        from dcpstore.manifest import FileRecord, Payload
-        from dcpstore.writer import _WrittenItem
+        from dcpstore.dcp import layout
+        from dcpstore.dcp.manifest import FileRecord, Payload
+        from dcpstore.dcp.writer import _WrittenItem
 
         per_rank: list[list[tuple[MetadataIndex, int, bool]]] = [[] for _ in
                                                                 range(self.world)]
@@ -357,7 +357,7 @@ def _plan_cache_hit(uri: str, plans: list[SavePlan]) -> float | None:
     """Seconds of ``prepare_global_plan`` on a repeated save whose every local plan is
     unchanged (torch's plan cache sends ``SavePlan([], usable=False)``), after a save
     that filled the cache; ``None`` where the writer does not support plan caching."""
-    from dcpstore import writer as writer_module
+    from dcpstore.dcp import writer as writer_module
 
     if not getattr(writer_module, "SUPPORTS_PLAN_CACHING", False):
         return None
@@ -370,11 +370,11 @@ def _plan_cache_hit(uri: str, plans: list[SavePlan]) -> float | None:
 
 def run_world(mix: Mix, world: int, *, retained: int = RETAINED) -> dict[str, Any]:
     """Measure one world size; return a row of the table."""
-    from dcpstore import layout
-    from dcpstore.checkpointer import Checkpointer, step_dir
-    from dcpstore.guard import check_global_plan
-    from dcpstore.reader import Reader
+    from dcpstore.dcp import layout
+    from dcpstore.dcp.guard import check_global_plan
+    from dcpstore.dcp.reader import Reader
     from dcpstore.testing import MemoryBackend
+    from dcpstore.training.checkpointer import Checkpointer, step_dir
 
     model = _World(mix, world)
     run = f"scale://{BUCKET}/w{world}"
@@ -471,7 +471,7 @@ def run_world(mix: Mix, world: int, *, retained: int = RETAINED) -> dict[str, An
 
     # -- a load's shared objects: .metadata and manifest. With read sharing (the default
     # on object stores) the coordinator alone GETs them and sends the bytes to the other
-    # ranks (dcpstore.read_share); without it, every rank GETs them.
+    # ranks (dcpstore.dcp.read_share); without it, every rank GETs them.
     reader = Reader(MemoryBackend(f"{BUCKET}/w{world}/{step_dir(retained)}"))
     before = _requests()
     _, row["read_metadata_s"] = _timed(reader.read_metadata)

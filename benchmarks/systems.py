@@ -312,7 +312,7 @@ class Dcpstore(DCPSystem):
     def variant_options(self) -> dict[str, Any]:
         """A bracket's options (an A/B variant of the defaults): dcpstore options only."""
         import dcpstore
-        from dcpstore.options import option_names
+        from dcpstore.storage.options import option_names
 
         opts = super().variant_options()
         known = (self._backend_option_names() | option_names(dcpstore.WriterOptions)
@@ -323,13 +323,13 @@ class Dcpstore(DCPSystem):
         return opts
 
     def _backend_option_names(self) -> set[str]:
-        from dcpstore.options import option_names
-        from dcpstore.registry import backend_class
+        from dcpstore.storage.options import option_names
+        from dcpstore.storage.registry import backend_class
 
         return option_names(backend_class(self.scheme).Options)
 
     def _options(self, ctx: OpContext, own: type[Any]) -> dict[str, Any]:
-        from dcpstore.options import option_names
+        from dcpstore.storage.options import option_names
 
         allowed = option_names(own) | self._backend_option_names()
         opts = self.base_options(ctx)
@@ -357,7 +357,7 @@ class Dcpstore(DCPSystem):
         counts = getattr(obj.backend, "request_counts", None)
         if counts:
             figures["backend_requests"] = dict(counts)
-        # what the adaptive concurrency limits settled on (dcpstore.concurrency)
+        # what the adaptive concurrency limits settled on (dcpstore.storage.concurrency)
         limits = obj.backend.concurrency_figures()
         if limits:
             figures["concurrency"] = limits

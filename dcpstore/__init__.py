@@ -3,94 +3,103 @@
 >>> import torch.distributed.checkpoint as dcp, dcpstore
 >>> dcp.save(state_dict, storage_writer=dcpstore.get_writer("s3://bucket/run7/step-1200"))
 >>> dcp.load(state_dict, storage_reader=dcpstore.get_reader("s3://bucket/run7/step-1200"))
+
+This module exports what a training script needs (:data:`__all__`), loaded on first use,
+so ``import dcpstore`` does not import torch. The other audiences have their own modules:
+
+- plugin authors: :mod:`dcpstore.plugin` (the object-store contract, registration);
+- errors: :mod:`dcpstore.errors` (one class per kind of failure);
+- tests: :mod:`dcpstore.testing` (conformance suite, in-memory and fault backends, servers);
+- the layers themselves: :mod:`dcpstore.storage`, :mod:`dcpstore.dcp`,
+  :mod:`dcpstore.training`, :mod:`dcpstore.tools`, :mod:`dcpstore.integrations`.
+
+Names that earlier releases exported here (``dcpstore.Backend``, ``dcpstore.Writer``,
+``dcpstore.IntegrityError``, ...) and the old module paths (``dcpstore.checkpointer``, ...)
+keep working.
 """
 
 from __future__ import annotations
 
-from ._version import __version__
-from .api import get_reader, get_writer, load, open_backend, save
-from .backend import Backend, BackendOptions, Failure, ObjectInfo, ReadRange, Upload
-from .checkpointer import (
-    BackgroundWriterDiedError,
-    Checkpointer,
-    CheckpointSaveError,
-    DrainError,
-    Step,
-)
-from .errors import (
-    BackendNotFoundError,
-    BucketNotFoundError,
-    CheckpointExistsError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    DcpstoreError,
-    IncompleteCheckpointError,
-    IntegrityError,
-    InvalidURIError,
-    ShardingError,
-    StoreThrottledError,
-    StoreTimeoutError,
-    UnsafeCheckpointError,
-    UnsafeKeyError,
-)
-from .integrations.dcp_routing import enable as enable_dcp_routing
-from .local import LocalBackend, LocalOptions
-from .manifest import Manifest
-from .multipart import MultipartUpload
-from .options import ReaderOptions, WriterOptions
-from .reader import Reader
-from .registry import available_backends, register_backend
-from .staging import Stager, StagingOptions
-from .state import AppState
-from .weights import export, load_model_weights
-from .writer import Writer
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dcpstore import _compat
+from dcpstore._version import __version__
+
+if TYPE_CHECKING:
+    from dcpstore.dcp.api import get_reader, get_writer, load, save
+    from dcpstore.errors import DcpstoreError
+    from dcpstore.integrations.dcp_routing import enable as enable_dcp_routing
+    from dcpstore.training.checkpointer import Checkpointer
+    from dcpstore.training.state import AppState
+    from dcpstore.training.weights import export, load_model_weights
+
+_compat.install()
 
 __all__ = [
     "AppState",
-    "Backend",
-    "BackendNotFoundError",
-    "BackendOptions",
-    "BackgroundWriterDiedError",
-    "BucketNotFoundError",
-    "CheckpointExistsError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "CheckpointSaveError",
     "Checkpointer",
     "DcpstoreError",
-    "DrainError",
-    "Failure",
-    "IncompleteCheckpointError",
-    "IntegrityError",
-    "InvalidURIError",
-    "LocalBackend",
-    "LocalOptions",
-    "Manifest",
-    "MultipartUpload",
-    "ObjectInfo",
-    "ReadRange",
-    "Reader",
-    "ReaderOptions",
-    "ShardingError",
-    "Stager",
-    "StagingOptions",
-    "Step",
-    "StoreThrottledError",
-    "StoreTimeoutError",
-    "UnsafeCheckpointError",
-    "UnsafeKeyError",
-    "Upload",
-    "Writer",
-    "WriterOptions",
     "__version__",
-    "available_backends",
     "enable_dcp_routing",
     "export",
     "get_reader",
     "get_writer",
     "load",
     "load_model_weights",
-    "open_backend",
-    "register_backend",
     "save",
 ]
+
+#: Public name -> ``module:attribute``, imported on first use.
+_PUBLIC: dict[str, str] = {
+    "AppState": "dcpstore.training.state:AppState",
+    "Checkpointer": "dcpstore.training.checkpointer:Checkpointer",
+    "DcpstoreError": "dcpstore.errors:DcpstoreError",
+    "enable_dcp_routing": "dcpstore.integrations.dcp_routing:enable",
+    "export": "dcpstore.training.weights:export",
+    "get_reader": "dcpstore.dcp.api:get_reader",
+    "get_writer": "dcpstore.dcp.api:get_writer",
+    "load": "dcpstore.dcp.api:load",
+    "load_model_weights": "dcpstore.training.weights:load_model_weights",
+    "save": "dcpstore.dcp.api:save",
+}
+
+#: Names earlier releases exported here; still served, not advertised.
+_FORMER: dict[str, str] = {
+    **{name: f"dcpstore.errors:{name}" for name in (
+        "BackendNotFoundError", "BucketNotFoundError", "CheckpointExistsError",
+        "CheckpointMismatchError", "CheckpointNotFoundError", "IncompleteCheckpointError",
+        "IntegrityError", "InvalidURIError", "ShardingError", "StoreThrottledError",
+        "StoreTimeoutError", "UnsafeCheckpointError", "UnsafeKeyError")},
+    **{name: f"dcpstore.storage.backend:{name}" for name in (
+        "Backend", "BackendOptions", "Failure", "ObjectInfo", "ReadRange", "Upload")},
+    **{name: f"dcpstore.training.checkpointer:{name}" for name in (
+        "BackgroundWriterDiedError", "CheckpointSaveError", "DrainError", "Step")},
+    "LocalBackend": "dcpstore.storage.local:LocalBackend",
+    "LocalOptions": "dcpstore.storage.local:LocalOptions",
+    "Manifest": "dcpstore.dcp.manifest:Manifest",
+    "MultipartUpload": "dcpstore.storage.multipart:MultipartUpload",
+    "ReaderOptions": "dcpstore.storage.options:ReaderOptions",
+    "WriterOptions": "dcpstore.storage.options:WriterOptions",
+    "Reader": "dcpstore.dcp.reader:Reader",
+    "Writer": "dcpstore.dcp.writer:Writer",
+    "Stager": "dcpstore.dcp.staging:Stager",
+    "StagingOptions": "dcpstore.dcp.staging:StagingOptions",
+    "available_backends": "dcpstore.storage.registry:available_backends",
+    "register_backend": "dcpstore.storage.registry:register_backend",
+    "open_backend": "dcpstore.dcp.api:open_backend",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _PUBLIC.get(name) or _FORMER.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dcpstore' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

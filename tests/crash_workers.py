@@ -50,11 +50,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import dcpstore
-import dcpstore.local
-import dcpstore.multipart
-import dcpstore.writer
-from dcpstore import layout
-from dcpstore.backend import Backend, ObjectInfo, Upload
+import dcpstore.dcp.writer
+import dcpstore.storage.local
+import dcpstore.storage.multipart
+from dcpstore.dcp import layout
+from dcpstore.storage.backend import Backend, ObjectInfo, Upload
 
 __all__ = [
     "AMBIGUOUS_FAULT",
@@ -287,17 +287,17 @@ def _around(owner: Any, attr: str, before: Callable[..., str | None],
 
 def install_crash_hooks() -> None:
     """Patch the library's I/O entry points of this process with tripwire ticks."""
-    _around(dcpstore.writer.Writer, "write_data", lambda *a, **k: "write_data")
-    _around(dcpstore.writer._ChecksumStream, "write", lambda *a, **k: "stream.write",
+    _around(dcpstore.dcp.writer.Writer, "write_data", lambda *a, **k: "write_data")
+    _around(dcpstore.dcp.writer._ChecksumStream, "write", lambda *a, **k: "stream.write",
             after=False)
     _around(Backend, "open_upload", lambda *a, **k: "open_upload")
     _around(Backend, "put", lambda self, key, *a, **k: f"put:{_put_kind(key)}")
     _around(Backend, "delete", lambda *a, **k: "delete")
     _around(Backend, "get", lambda *a, **k: "get", after=False)
     _around(Backend, "list", lambda *a, **k: "list", after=False)
-    _around(dcpstore.local.FileUpload, "commit", lambda *a, **k: "upload.commit")
-    _around(dcpstore.multipart.MultipartUpload, "commit", lambda *a, **k: "upload.commit")
-    _around(dcpstore.multipart.MultipartUpload, "_run_part", lambda *a, **k: "part")
+    _around(dcpstore.storage.local.FileUpload, "commit", lambda *a, **k: "upload.commit")
+    _around(dcpstore.storage.multipart.MultipartUpload, "commit", lambda *a, **k: "upload.commit")
+    _around(dcpstore.storage.multipart.MultipartUpload, "_run_part", lambda *a, **k: "part")
     # the local commit point itself: the rename of the temporary .metadata
     _around(os, "replace", lambda src, dst, *a, **k: "rename:metadata"
             if os.path.basename(str(dst)) == layout.METADATA_KEY else None)
@@ -429,7 +429,7 @@ def install_fault_hooks() -> None:
     rank = dist.get_rank()
     open_upload = Backend.open_upload
     put = Backend.put
-    write_data = dcpstore.writer.Writer.write_data
+    write_data = dcpstore.dcp.writer.Writer.write_data
 
     def active(name: str) -> bool:
         return name == _ACTIVE_FAULT and FAULTS.get(name, (-1, ""))[0] == rank
@@ -460,7 +460,7 @@ def install_fault_hooks() -> None:
 
     Backend.open_upload = faulty_open_upload  # type: ignore[method-assign]
     Backend.put = faulty_put  # type: ignore[method-assign]
-    dcpstore.writer.Writer.write_data = faulty_write_data  # type: ignore[method-assign]
+    dcpstore.dcp.writer.Writer.write_data = faulty_write_data  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -475,7 +475,7 @@ def _fault(name: str | None) -> Iterator[None]:
 
 def _snapshot(uri: str, options: dict[str, Any]) -> dict[str, str]:
     """Every object under ``uri`` with a digest of its bytes (key -> size:crc)."""
-    from dcpstore.manifest import crc32c
+    from dcpstore.dcp.manifest import crc32c
 
     backend = dcpstore.open_backend(uri, **{k: v for k, v in options.items()
                                             if k != "files_per_rank"})

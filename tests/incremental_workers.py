@@ -60,7 +60,7 @@ def save_steps(rank: int, world_size: int, root: str, steps: int, keep_last: int
     (else the difference).
     """
     model, optim = build_frozen(world_size, seed=1)
-    hinted = dcpstore.state.frozen_keys({"app": dcpstore.AppState(model, optim,
+    hinted = dcpstore.training.state.frozen_keys({"app": dcpstore.AppState(model, optim,
                                                                   frozen_hint=True)})
     saved: dict[int, dict[str, Any]] = {}
     with dcpstore.Checkpointer(root, incremental=True, keep_last=keep_last,

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import dcpstore
-from dcpstore import layout
-from dcpstore.metadata_io import load_metadata, read_manifest
+from dcpstore.dcp import layout
+from dcpstore.dcp.metadata_io import load_metadata, read_manifest
 
 __all__ = ["memory_run"]
 

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpstore
-from dcpstore import layout, read_share
-from dcpstore.metadata_io import load_metadata, read_manifest
+from dcpstore.dcp import layout, read_share
+from dcpstore.dcp.metadata_io import load_metadata, read_manifest
 from dcpstore.testing import assert_state_equal
 
 __all__ = ["corrupt_payload_byte", "hsdp_state", "incremental_state", "read_once_run",

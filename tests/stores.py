@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 import dcpstore
-from dcpstore.backend import Backend
-from dcpstore.local import LocalBackend
+from dcpstore.storage.backend import Backend
+from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import MemoryBackend
 from dcpstore.testing.servers import gcs_object_names, isolate_env, msc_s3_profile
 

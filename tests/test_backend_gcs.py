@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.backend import ReadRange
 from dcpstore.errors import BucketNotFoundError
+from dcpstore.storage.backend import ReadRange
 from dcpstore.testing import BackendConformance, HTTPEndpoint, assert_state_equal
 
 pytest.importorskip("gcsfs")

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore import layout, local
-from dcpstore.backend import Failure, ReadRange
+from dcpstore.dcp import layout
 from dcpstore.errors import BucketNotFoundError, StoreThrottledError
-from dcpstore.local import LocalBackend, LocalOptions
+from dcpstore.storage import local
+from dcpstore.storage.backend import Failure, ReadRange
+from dcpstore.storage.local import LocalBackend, LocalOptions
 from dcpstore.testing import BackendConformance
 
 MiB = 1024 * 1024
@@ -275,7 +276,7 @@ def test_lazy_client_made_once_dropped_by_pickle_and_close(tmp_path: Path) -> No
 
 
 def test_remove_empty_dirs_is_a_hook_of_every_backend(tmp_path: Path) -> None:
-    from dcpstore.backend import Backend
+    from dcpstore.storage.backend import Backend
 
     assert Backend.remove_empty_dirs is not LocalBackend.remove_empty_dirs
     backend = LocalBackend(str(tmp_path / "root"))

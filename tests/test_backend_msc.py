@@ -26,8 +26,8 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 import dcpstore
-from dcpstore.backend import ReadRange
 from dcpstore.errors import BucketNotFoundError
+from dcpstore.storage.backend import ReadRange
 from dcpstore.testing import (
     BackendConformance,
     HTTPEndpoint,

@@ -32,11 +32,11 @@ from stores import S3_TEST_BUCKET
 from test_multipart import _odd_writes
 
 import dcpstore
-import dcpstore.api
-import dcpstore.writer
-from dcpstore import registry
-from dcpstore.backend import ReadRange
-from dcpstore.multipart import PartBuffers
+import dcpstore.dcp.api
+import dcpstore.dcp.writer
+from dcpstore.storage import registry
+from dcpstore.storage.backend import ReadRange
+from dcpstore.storage.multipart import PartBuffers
 from dcpstore.testing import BackendConformance, HTTPEndpoint
 from dcpstore.testing.servers import S3Server, free_port
 
@@ -617,7 +617,7 @@ def test_partial_load_fetches_only_needed_bytes(s3: S3Server) -> None:
     backend = dcpstore.open_backend(uri, **_opts(s3))
     small = sum(backend.stat(k).size for k in [".metadata"] + [
         o.key for o in backend.list(".dcpstore-")])
-    planner = dcpstore.api.CheckedLoadPlanner(allow_partial_load=True)
+    planner = dcpstore.dcp.api.CheckedLoadPlanner(allow_partial_load=True)
 
     for gap, requests in [(0, 2), (1 * MiB, 1)]:
         reader = dcpstore.get_reader(uri, coalesce_gap=gap, **_opts(s3))
@@ -648,7 +648,7 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
         return original_create(self)
 
     prepared = 0
-    original_prepare = dcpstore.writer._prepare_tensor
+    original_prepare = dcpstore.dcp.writer._prepare_tensor
 
     def prepare(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal prepared
@@ -658,7 +658,7 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
         return original_prepare(tensor)
 
     monkeypatch.setattr(S3MultipartUpload, "_create", create)
-    monkeypatch.setattr(dcpstore.writer, "_prepare_tensor", prepare)
+    monkeypatch.setattr(dcpstore.dcp.writer, "_prepare_tensor", prepare)
     with pytest.raises(RuntimeError, match="mid-write"):
         # one 16 MiB file: its first 8 MiB are parts of a multipart upload by the crash
         dcpstore.save(state, uri, files_per_rank=1, **_opts(s3))

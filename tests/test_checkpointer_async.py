@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
-from dcpstore.staging import Stager, StagingOptions
+from dcpstore.dcp.staging import Stager, StagingOptions
 
 MODES = ["thread", "process"]
 
@@ -97,13 +97,13 @@ def test_stager_allocates_once_and_snapshots(shared: bool) -> None:
 def test_staging_options_accept_torch_options_and_dicts() -> None:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchOptions
 
-    opts = dcpstore.staging.as_staging_options(TorchOptions(False, True, False, True))
+    opts = dcpstore.dcp.staging.as_staging_options(TorchOptions(False, True, False, True))
     assert opts == StagingOptions(use_pinned_memory=False, use_shared_memory=True,
                                   use_async_staging=False, use_non_blocking_copy=True)
-    assert dcpstore.staging.as_staging_options({"use_shared_memory": False},
+    assert dcpstore.dcp.staging.as_staging_options({"use_shared_memory": False},
                                                process=True).use_shared_memory
     with pytest.raises(TypeError, match="valid fields"):
-        dcpstore.staging.as_staging_options({"pinned": True})
+        dcpstore.dcp.staging.as_staging_options({"pinned": True})
     with pytest.raises(ValueError, match="need staging"):
         dcpstore.Checkpointer("/tmp/x", async_mode="thread", staging=False)
 
@@ -213,7 +213,7 @@ def test_killed_writer_process_is_detected_and_nothing_committed(tmp_path: Path)
 
 def test_copy_overlaps_the_write_only_with_a_core_each(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dcpstore.checkpointer import cores_per_local_rank
+    from dcpstore.training.checkpointer import cores_per_local_rank
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -1,5 +1,5 @@
-"""Shared store clients (:mod:`dcpstore.clients`) and learnt concurrency limits
-(:class:`dcpstore.concurrency.LearntLimits`).
+"""Shared store clients (:mod:`dcpstore.storage.clients`) and learnt concurrency limits
+(:class:`dcpstore.storage.concurrency.LearntLimits`).
 
 What this file proves:
 
@@ -24,9 +24,9 @@ import pytest
 from stores import Store
 
 import dcpstore
-from dcpstore.backend import ReadRange
-from dcpstore.clients import SharedClients, shared_clients
-from dcpstore.concurrency import ConcurrencyLimit, LearntLimits
+from dcpstore.storage.backend import ReadRange
+from dcpstore.storage.clients import SharedClients, shared_clients
+from dcpstore.storage.concurrency import ConcurrencyLimit, LearntLimits
 
 MiB = 1024 * 1024
 

@@ -19,10 +19,11 @@ from stores import memory_scheme
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
-from dcpstore import layout, ops
+from dcpstore.dcp import layout
 from dcpstore.errors import BucketNotFoundError, StoreThrottledError
 from dcpstore.testing import BackendConformance, MemoryBackend, assert_state_equal
 from dcpstore.testing.faults import Fault, FaultBackend, SimulatedCrash
+from dcpstore.tools import ops
 
 BUCKET = "commit-protocol"
 #: Fast retries: the faults are injected, nothing needs time to recover.
@@ -259,7 +260,7 @@ def test_retention_that_fails_leaves_the_save_committed(
     ckpt = dcpstore.Checkpointer(root, keep_last=1)
     ckpt.save(1, state(1))
     cls.shared.faults.append(Fault("delete", times=0, error=PermissionError("denied")))
-    with caplog.at_level("WARNING", logger="dcpstore.checkpointer"):
+    with caplog.at_level("WARNING", logger="dcpstore.training.checkpointer"):
         ckpt.save(2, state(2))
     assert "retention under" in caplog.text and "denied" in caplog.text
     assert [int(s) for s in ckpt.steps()] == [1, 2]

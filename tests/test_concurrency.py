@@ -1,4 +1,4 @@
-"""Adaptive concurrency (:mod:`dcpstore.concurrency`): the controller on a synthetic store,
+"""Adaptive concurrency (:mod:`dcpstore.storage.concurrency`): the controller on a synthetic store,
 then the real backends through the fault proxy standing in for a throttling store and a
 store that serves only so many requests at once.
 
@@ -30,8 +30,8 @@ import pytest
 from stores import Store
 
 import dcpstore
-from dcpstore.backend import ReadRange
-from dcpstore.concurrency import ConcurrencyLimit
+from dcpstore.storage.backend import ReadRange
+from dcpstore.storage.concurrency import ConcurrencyLimit
 from dcpstore.testing import FaultProxy
 
 KiB = 1024

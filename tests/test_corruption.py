@@ -13,7 +13,7 @@ deleted. What this file proves:
 - when ``.metadata`` or the manifest is damaged, the destination state is untouched
   (nothing is read before they are checked); damage in a data file is found while
   items are delivered, so the load raises and earlier items may already be written;
-- ``dcpstore.ops.verify_checkpoint`` reports or raises for every such damage, naming
+- ``dcpstore.tools.ops.verify_checkpoint`` reports or raises for every such damage, naming
   the object (and the item), and ``dcpstore verify`` exits non-zero saying so;
 - a flip inside the ``torch.save`` zip headers of an item and one inside its tensor
   payload are both caught by the manifest's CRC32C, for a small (staged) tensor and a
@@ -43,11 +43,11 @@ from stores import Store
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
-from dcpstore import cli
-from dcpstore.backend import Backend
-from dcpstore.ops import verify_checkpoint
-from dcpstore.safe_pickle import safe_loads
+from dcpstore.dcp.safe_pickle import safe_loads
+from dcpstore.storage.backend import Backend
 from dcpstore.testing import assert_state_equal, many_dtypes_state
+from dcpstore.tools import cli
+from dcpstore.tools.ops import verify_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ direct ``overwrite=True`` save over an existing checkpoint. Afterwards:
   commit point had been passed) the new one; loads are bit-exact;
 - ``Checkpointer.latest()`` is always a complete step, the previous step always loads;
 - a step without ``.metadata`` fails loudly (``IncompleteCheckpointError``);
-- ``dcpstore gc --min-age 0`` (CLI or :func:`dcpstore.ops.gc`) removes every leftover
+- ``dcpstore gc --min-age 0`` (CLI or :func:`dcpstore.tools.ops.gc`) removes every leftover
   and aborts every dangling multipart upload: afterwards the store lists exactly the
   committed checkpoints' files, ``ListMultipartUploads`` is empty, the checkpoints
   still load bit-exact and ``verify`` passes; a second gc finds nothing.
@@ -47,10 +47,11 @@ from mp import LaunchResult, run_killable
 from stores import Store, build_store, full_requested
 
 import dcpstore
-from dcpstore import layout, ops
-from dcpstore.checkpointer import step_dir
-from dcpstore.latest import POINTER_KEY, read_pointer
+from dcpstore.dcp import layout
 from dcpstore.testing import assert_state_equal
+from dcpstore.tools import ops
+from dcpstore.training.checkpointer import step_dir
+from dcpstore.training.latest import POINTER_KEY, read_pointer
 
 pytestmark = pytest.mark.multiprocess
 

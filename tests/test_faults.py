@@ -50,8 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
-from dcpstore.backend import ReadRange
-from dcpstore.ops import verify_checkpoint
+from dcpstore.storage.backend import ReadRange
 from dcpstore.testing import (
     FaultPlan,
     FaultProxy,
@@ -61,6 +60,7 @@ from dcpstore.testing import (
     many_dtypes_state,
 )
 from dcpstore.testing.servers import isolate_env
+from dcpstore.tools.ops import verify_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -51,12 +51,12 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 import dcpstore
-from dcpstore import layout
-from dcpstore.local import LocalBackend
-from dcpstore.manifest import FileRecord, Manifest, Payload, crc32c
-from dcpstore.ops import copy_checkpoint, gc, inspect_checkpoint, verify_checkpoint
-from dcpstore.safe_pickle import safe_loads
-from dcpstore.uri import validate_key
+from dcpstore.dcp import layout
+from dcpstore.dcp.manifest import FileRecord, Manifest, Payload, crc32c
+from dcpstore.dcp.safe_pickle import safe_loads
+from dcpstore.storage.local import LocalBackend
+from dcpstore.storage.uri import validate_key
+from dcpstore.tools.ops import copy_checkpoint, gc, inspect_checkpoint, verify_checkpoint
 
 SENTINEL = b"sentinel: must survive every hostile checkpoint"
 

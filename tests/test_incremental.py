@@ -27,14 +27,15 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 import dcpstore
-import dcpstore.weights
-from dcpstore import layout, ops, references
-from dcpstore.checksum import crc32c
-from dcpstore.cli import main as cli_main
+import dcpstore.training.weights
+from dcpstore.dcp import layout, references
+from dcpstore.dcp.checksum import crc32c
+from dcpstore.dcp.manifest import FileRecord
+from dcpstore.dcp.metadata_io import load_metadata, read_manifest
 from dcpstore.errors import IntegrityError, UnsafeKeyError
-from dcpstore.manifest import FileRecord
-from dcpstore.metadata_io import load_metadata, read_manifest
 from dcpstore.testing import assert_state_equal
+from dcpstore.tools import ops
+from dcpstore.tools.cli import main as cli_main
 
 BASE_KEYS = [f"base.w{i}" for i in range(4)]
 
@@ -282,7 +283,7 @@ def test_ops_follow_references(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert_state_equal(load_back(f"{root}/step-2-copy", state), state)
 
     # export follows references
-    dcpstore.weights.export(step2, str(tmp_path / "export.pt"))
+    dcpstore.training.weights.export(step2, str(tmp_path / "export.pt"))
     exported = torch.load(tmp_path / "export.pt", weights_only=True)
     assert torch.equal(exported["base.w3"], state["base"]["w3"])
 

@@ -22,10 +22,10 @@ import torch
 from stores import memory_scheme
 
 import dcpstore
-from dcpstore import layout
-from dcpstore.latest import POINTER_KEY, pointer_holds, read_pointer, step_dir
-from dcpstore.local import LocalBackend
+from dcpstore.dcp import layout
+from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import MemoryBackend
+from dcpstore.training.latest import POINTER_KEY, pointer_holds, read_pointer, step_dir
 
 BUCKET = "latest-pointer"
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_pointer_lost_stale_or_damaged_never_names_an_uncommitted_step(
 _KILLED_BETWEEN_COMMIT_AND_POINTER = textwrap.dedent("""
     import os, signal, sys, torch
     import dcpstore
-    from dcpstore import checkpointer
+    from dcpstore.training import checkpointer
     root = sys.argv[1]
     ckpt = dcpstore.Checkpointer(root, keep_last=3)
     for step in (1, 2):

@@ -23,12 +23,12 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from typing_extensions import Buffer
 
 import dcpstore
-from dcpstore import layout
-from dcpstore.backend import BackendOptions, ObjectInfo, Upload
-from dcpstore.options import AUTO_MAX_FILES, WriterOptions, resolve_options
+from dcpstore.dcp import layout
+from dcpstore.dcp.writer import Writer, _item_nbytes, _pack_items
+from dcpstore.storage.backend import BackendOptions, ObjectInfo, Upload
+from dcpstore.storage.options import AUTO_MAX_FILES, WriterOptions, resolve_options
 from dcpstore.testing import MemoryBackend
 from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
-from dcpstore.writer import Writer, _item_nbytes, _pack_items
 
 MiB = 1024 * 1024
 TENSORS = 12  # of 1 MiB each

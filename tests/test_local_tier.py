@@ -28,15 +28,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcpstore
-import dcpstore.checkpointer as ckpt_mod
-import dcpstore.local_tier
-from dcpstore import layout, registry
-from dcpstore.cli import main as cli_main
-from dcpstore.latest import POINTER_KEY
-from dcpstore.local import LocalBackend
-from dcpstore.ops import gc, verify_checkpoint
+import dcpstore.training.checkpointer as ckpt_mod
+import dcpstore.training.local_tier
+from dcpstore.dcp import layout
+from dcpstore.storage import registry
+from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import assert_state_equal
 from dcpstore.testing.servers import isolate_env
+from dcpstore.tools.cli import main as cli_main
+from dcpstore.tools.ops import gc, verify_checkpoint
+from dcpstore.training.latest import POINTER_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +299,8 @@ def test_corrupt_local_copy_is_caught_by_the_read_and_the_root_is_read(
         ckpt.save(2, _state(2))
         ckpt.wait()
     _flip_bytes(local / "step-000000002")  # sizes still match: only the CRC32C check sees it
-    assert dcpstore.local_tier.local_step_verified(LocalBackend(str(local / "step-000000002")))
+    step_dir = LocalBackend(str(local / "step-000000002"))
+    assert dcpstore.training.local_tier.local_step_verified(step_dir)
     sources = _Sources(monkeypatch)
     for step in (None, 2):
         out = _empty()
@@ -331,7 +333,7 @@ def test_unwritable_or_full_local_tier_goes_straight_to_remote(
     class Usage:
         free = 1000
 
-    monkeypatch.setattr(dcpstore.local_tier.shutil, "disk_usage", lambda _: Usage())
+    monkeypatch.setattr(dcpstore.training.local_tier.shutil, "disk_usage", lambda _: Usage())
     full = dcpstore.Checkpointer(str(remote), local_tier=str(tmp_path / "full"),
                                  async_mode="thread")
     with pytest.warns(RuntimeWarning, match="GB free"):
@@ -544,12 +546,12 @@ def test_drain_copies_through_one_buffer_not_a_heap_chunk_per_read(tmp_path: Pat
     target = LocalBackend(str(remote / "copy"))
     tracemalloc.start()
     try:
-        copied = dcpstore.local_tier.copy_rank_files(step, target, 0, True)
+        copied = dcpstore.training.local_tier.copy_rank_files(step, target, 0, True)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert copied.bytes >= 40 << 20
-    assert peak < dcpstore.local_tier._CHUNK // 4, f"{peak} bytes allocated on the heap"
+    assert peak < dcpstore.training.local_tier._CHUNK // 4, f"{peak} bytes allocated on the heap"
 
 
 def test_freed_heap_is_released_after_each_background_job(
@@ -619,7 +621,7 @@ def _die(where: str, outdir: str) -> None:
 
 def _arm(point: str, outdir: str, delay: float) -> None:
     """Install the kill on this rank, for the drain (background thread) only."""
-    from dcpstore.backend import Backend
+    from dcpstore.storage.backend import Backend
 
     def in_drain() -> bool:
         return threading.current_thread().name.startswith("dcpstore-ckpt")

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpstore.manifest import FileRecord, Manifest, Payload
-from dcpstore.read_plan import chunk_index
+from dcpstore.dcp.manifest import FileRecord, Manifest, Payload
+from dcpstore.dcp.read_plan import chunk_index
 
 WORLD = 4
 TENSORS = 24

@@ -1,4 +1,4 @@
-"""The generic multipart upload of ``dcpstore.multipart``: pooled part buffers, upload
+"""The generic multipart upload of ``dcpstore.storage.multipart``: pooled part buffers, upload
 slots, aborts and failures, against an in-memory fake backend (no server)."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ from typing import Any
 
 import pytest
 
-from dcpstore.backend import Backend, BackendOptions, ObjectInfo, Upload
-from dcpstore.multipart import MultipartState, MultipartUpload, PartBuffers, first_buffer_bytes
+from dcpstore.storage.backend import Backend, BackendOptions, ObjectInfo, Upload
+from dcpstore.storage.multipart import (
+    MultipartState,
+    MultipartUpload,
+    PartBuffers,
+    first_buffer_bytes,
+)
 
 
 class _MemoryMultipart(MultipartUpload):

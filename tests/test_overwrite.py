@@ -53,8 +53,9 @@ from mp import run_killable
 from stores import Store
 
 import dcpstore
-from dcpstore import layout, ops
+from dcpstore.dcp import layout
 from dcpstore.testing import assert_state_equal
+from dcpstore.tools import ops
 
 logger = logging.getLogger(__name__)
 

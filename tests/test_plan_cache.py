@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
-from dcpstore import layout
-from dcpstore import writer as writer_module
-from dcpstore.local import LocalBackend
-from dcpstore.metadata_io import load_metadata
+from dcpstore.dcp import layout
+from dcpstore.dcp import writer as writer_module
+from dcpstore.dcp.metadata_io import load_metadata
+from dcpstore.storage.local import LocalBackend
 
 pytestmark = pytest.mark.multiprocess
 

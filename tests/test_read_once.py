@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 import dcpstore
-from dcpstore.read_plan import ItemRead
-from dcpstore.read_share import plan_sharing
+from dcpstore.dcp.read_plan import ItemRead
+from dcpstore.dcp.read_share import plan_sharing
 from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
 
 pytestmark = pytest.mark.multiprocess

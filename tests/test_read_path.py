@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 import dcpstore
-from dcpstore.codec import decode_tensor, encode_tensor
-from dcpstore.manifest import Payload
-from dcpstore.ops import verify_checkpoint
+from dcpstore.dcp.codec import decode_tensor, encode_tensor
+from dcpstore.dcp.manifest import Payload
+from dcpstore.dcp.writer import PAYLOAD_BLOCK
 from dcpstore.testing import assert_state_equal, many_dtypes_state
-from dcpstore.writer import PAYLOAD_BLOCK
+from dcpstore.tools.ops import verify_checkpoint
 
 # -- codec ---------------------------------------------------------------------------------
 

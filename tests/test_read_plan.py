@@ -19,9 +19,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from dcpstore.errors import IntegrityError
-from dcpstore.manifest import FileRecord, Manifest, Payload
-from dcpstore.read_plan import (
+from dcpstore.dcp.manifest import FileRecord, Manifest, Payload
+from dcpstore.dcp.read_plan import (
     BlockSpan,
     ChunkIndex,
     ItemRead,
@@ -30,6 +29,7 @@ from dcpstore.read_plan import (
     plan_item,
     plan_reads,
 )
+from dcpstore.errors import IntegrityError
 
 FILE = "__0_0.0123456789abcdef.distcp"
 BLOCK = 64

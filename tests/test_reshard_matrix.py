@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from reshard_workers import load_big, run_matrix, run_ranks, save_big
 
-from dcpstore.writer import PAYLOAD_BLOCK
+from dcpstore.dcp.writer import PAYLOAD_BLOCK
 
 pytestmark = pytest.mark.multiprocess
 

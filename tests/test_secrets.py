@@ -49,10 +49,10 @@ import torch
 from stores import GCS_TEST_BUCKET, S3_TEST_BUCKET
 
 import dcpstore
-from dcpstore import cli
 from dcpstore.errors import BucketNotFoundError
-from dcpstore.ops import verify_checkpoint
 from dcpstore.testing.servers import S3Server, isolate_env
+from dcpstore.tools import cli
+from dcpstore.tools.ops import verify_checkpoint
 
 #: Loggers that must be captured at DEBUG (their records are what could leak).
 CLIENT_LOGGERS = ("botocore", "urllib3", "gcsfs", "fsspec", "google", "google.auth",

@@ -49,12 +49,12 @@ import torch
 from stores import Store
 
 import dcpstore
-from dcpstore import layout
-from dcpstore.checkpointer import step_dir
-from dcpstore.latest import POINTER_KEY, read_pointer
-from dcpstore.ops import remove_checkpoint, verify_checkpoint
-from dcpstore.safe_pickle import safe_loads
+from dcpstore.dcp import layout
+from dcpstore.dcp.safe_pickle import safe_loads
 from dcpstore.testing import assert_state_equal
+from dcpstore.tools.ops import remove_checkpoint, verify_checkpoint
+from dcpstore.training.checkpointer import step_dir
+from dcpstore.training.latest import POINTER_KEY, read_pointer
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from stores import GatedBackend
 from torch import nn
 
 import dcpstore
-from dcpstore import registry
-from dcpstore.local import LocalBackend
+from dcpstore.storage import registry
+from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import assert_state_equal
-from dcpstore.weights import read_metadata
+from dcpstore.training.weights import read_metadata
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

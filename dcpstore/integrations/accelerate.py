@@ -62,7 +62,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install accelerate") from exc
 
 import dcpstore
-from dcpstore.errors import CheckpointNotFoundError, DcpstoreError, IncompleteCheckpointError
+from dcpstore.errors import (
+    CheckpointNotFoundError,
+    DcpstoreError,
+    IncompleteCheckpointError,
+    InvalidURIError,
+)
+from dcpstore.storage.backend import Backend
 
 __all__ = [
     "COMMIT_MARKER",
@@ -115,7 +121,7 @@ def check_uri(uri: str | os.PathLike[str]) -> str:
     match = re.match(r"^(?:\./)?([A-Za-z][A-Za-z0-9+.-]*):(/?)(?!/)", text)
     if match and match.group(1).lower() in _schemes() and not text.startswith(
             f"{match.group(1)}://"):
-        raise dcpstore.InvalidURIError(
+        raise InvalidURIError(
             f"{text!r} looks like a {match.group(1)}:// URI whose '//' was collapsed (by "
             f"os.path or pathlib); it would become a local directory named "
             f"'{match.group(1)}:'. Pass the URI as a string, e.g. "
@@ -237,7 +243,7 @@ def rotate(root_uri: str, prefix: str, keep: int, protect: Sequence[str] = ()) -
 # -- moving a scratch directory's files to and from a store ------------------------------------
 
 
-def _upload_tree(local_dir: str, store: dcpstore.Backend) -> list[str]:
+def _upload_tree(local_dir: str, store: Backend) -> list[str]:
     keys = []
     for dirpath, _, files in os.walk(local_dir):
         for name in sorted(files):
@@ -249,7 +255,7 @@ def _upload_tree(local_dir: str, store: dcpstore.Backend) -> list[str]:
     return keys
 
 
-def download_extras(store: dcpstore.Backend, local_dir: str, skip_dirs: Sequence[str]) -> None:
+def download_extras(store: Backend, local_dir: str, skip_dirs: Sequence[str]) -> None:
     """Fetch every object not under a DCP directory (``skip_dirs`` prefixes) into ``local_dir``."""
     for info in store.list():
         top = info.key.split("/", 1)[0]
@@ -264,13 +270,13 @@ def download_extras(store: dcpstore.Backend, local_dir: str, skip_dirs: Sequence
             f.write(store.get(info.key))
 
 
-def _commit(store: dcpstore.Backend, kind: str, extra: dict[str, Any] | None = None) -> None:
+def _commit(store: Backend, kind: str, extra: dict[str, Any] | None = None) -> None:
     marker = {"format": kind, "dcpstore": dcpstore.__version__, "torch": torch.__version__,
               "world_size": dist.get_world_size() if _is_dist() else 1, **(extra or {})}
     store.put(COMMIT_MARKER, json.dumps(marker, indent=1).encode(), atomic=True)
 
 
-def require_committed(checkpoint_uri: str) -> dcpstore.Backend:
+def require_committed(checkpoint_uri: str) -> Backend:
     """The checkpoint's backend; raise unless its commit marker is stored."""
     store = dcpstore.open_backend(checkpoint_uri)
     if store.exists(COMMIT_MARKER):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import DcpstoreError, InvalidURIError
+from dcpstore.errors import DcpstoreError, InvalidURIError
 
 __all__ = [
     "ENV_VAR",
@@ -80,7 +80,7 @@ def _torch_version() -> str:
 
 
 def _known_schemes() -> set[str]:
-    from ..registry import KNOWN_SCHEMES, available_backends
+    from dcpstore.storage.registry import KNOWN_SCHEMES, available_backends
 
     return {s.lower() for s in (*KNOWN_SCHEMES, *available_backends())}
 
@@ -118,8 +118,8 @@ def serves(checkpoint_id: str | os.PathLike[str]) -> bool:
     Raises:
         MangledURIError: ``checkpoint_id`` is a mangled URI (see :func:`check_uri`).
     """
-    from ..registry import backend_class, selected_backend_name
-    from ..uri import parse_uri
+    from dcpstore.storage.registry import backend_class, selected_backend_name
+    from dcpstore.storage.uri import parse_uri
 
     check_uri(checkpoint_id)
     try:
@@ -143,7 +143,7 @@ def _routed_storage_setup(
         return original(storage, checkpoint_id, reader=reader)
     if not serves(checkpoint_id):
         return original(storage, checkpoint_id, reader=reader)
-    from ..api import get_reader, get_writer
+    from dcpstore.dcp.api import get_reader, get_writer
 
     chosen = get_reader(checkpoint_id) if reader else get_writer(checkpoint_id)
     logger.debug("DCP routing: %s for %s", type(chosen).__name__, checkpoint_id)

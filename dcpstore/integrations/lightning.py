@@ -61,7 +61,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore.backend import Backend
+from dcpstore.errors import InvalidURIError
+from dcpstore.storage.backend import Backend
+from dcpstore.storage.options import ReaderOptions, WriterOptions
 
 try:
     from fsspec.spec import AbstractFileSystem
@@ -118,11 +120,11 @@ def checked_uri(path: str | os.PathLike[str]) -> str:
     """
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
-        raise dcpstore.InvalidURIError(f"checkpoint path must be a non-empty string, got {path!r}")
+        raise InvalidURIError(f"checkpoint path must be a non-empty string, got {path!r}")
     m = _SCHEME_RE.match(text)
     if m and m.group(1).lower() in (_URI_SCHEMES | set(_remote_schemes())) and len(m.group(1)) > 1:
         if m.group(2) != "//" or isinstance(path, PurePath):
-            raise dcpstore.InvalidURIError(
+            raise InvalidURIError(
                 f"checkpoint path {text!r} looks like a {m.group(1)}:// URI whose '//' was "
                 "collapsed (pathlib.Path or os.path.normpath does that); pass the URI as a plain "
                 f"string, e.g. '{m.group(1)}://{m.group(3).lstrip('/')}'"
@@ -130,7 +132,7 @@ def checked_uri(path: str | os.PathLike[str]) -> str:
         return text
     for part in PurePath(text).parts:
         if part.endswith(":") and part[:-1].lower() in (_URI_SCHEMES | set(_remote_schemes())):
-            raise dcpstore.InvalidURIError(
+            raise InvalidURIError(
                 f"checkpoint path {text!r} goes through a local directory named {part!r}: a "
                 "mangled URI. Pass the URI itself as a string (e.g. 's3://bucket/run') instead "
                 "of a pathlib.Path or a path joined onto a local directory"
@@ -148,7 +150,7 @@ def _split(uri: str) -> tuple[str, str]:
     if _is_remote(uri):
         scheme, rest = uri.split("://", 1)
         if "/" not in rest:
-            raise dcpstore.InvalidURIError(f"{uri!r} names a bucket root, not a checkpoint")
+            raise InvalidURIError(f"{uri!r} names a bucket root, not a checkpoint")
         parent, name = rest.rsplit("/", 1)
         return f"{scheme}://{parent}", name
     parent, name = os.path.split(os.path.abspath(uri))
@@ -362,8 +364,8 @@ patch_lightning_filesystem()
 
 # -- the strategy ------------------------------------------------------------------------
 
-_WRITER_ONLY = {f.name for f in dataclasses.fields(dcpstore.WriterOptions)}
-_READER_ONLY = {f.name for f in dataclasses.fields(dcpstore.ReaderOptions)}
+_WRITER_ONLY = {f.name for f in dataclasses.fields(WriterOptions)}
+_READER_ONLY = {f.name for f in dataclasses.fields(ReaderOptions)}
 
 
 @dataclass

@@ -45,9 +45,9 @@ from torchtitan.components.checkpointer.base import MODEL, purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
-from ..api import get_reader, get_writer, open_backend
-from ..errors import BackendNotFoundError, CheckpointNotFoundError
-from .dcp_routing import check_uri, serves
+from dcpstore.dcp.api import get_reader, get_writer, open_backend
+from dcpstore.errors import BackendNotFoundError, CheckpointNotFoundError
+from dcpstore.integrations.dcp_routing import check_uri, serves
 
 __all__ = ["DcpstoreCheckpointManager", "committed_steps", "remove_step"]
 

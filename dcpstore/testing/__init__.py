@@ -21,11 +21,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .conformance import BackendConformance, HTTPEndpoint
-    from .faultproxy import FaultPlan, FaultProxy, ProxyStats, RequestInfo, classify
-    from .faults import Fault, FaultBackend
-    from .memory import MemoryBackend
-    from .state import assert_state_equal, empty_like_state, many_dtypes_state
+    from dcpstore.testing.conformance import BackendConformance, HTTPEndpoint
+    from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, ProxyStats, RequestInfo, classify
+    from dcpstore.testing.faults import Fault, FaultBackend
+    from dcpstore.testing.memory import MemoryBackend
+    from dcpstore.testing.state import assert_state_equal, empty_like_state, many_dtypes_state
 
 __all__ = [
     "BackendConformance",

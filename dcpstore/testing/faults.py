@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 
 from typing_extensions import Buffer
 
-from ..backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
-from ..errors import StoreThrottledError
-from ..uri import ParsedURI
+from dcpstore.errors import StoreThrottledError
+from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.storage.uri import ParsedURI
 
 __all__ = [
     "OPS",

@@ -29,8 +29,8 @@ from typing import ClassVar
 
 from typing_extensions import Buffer
 
-from ..backend import Backend, BackendOptions, ObjectInfo, Upload
-from ..errors import BucketNotFoundError, InvalidURIError
+from dcpstore.errors import BucketNotFoundError, InvalidURIError
+from dcpstore.storage.backend import Backend, BackendOptions, ObjectInfo, Upload
 
 __all__ = ["MemoryBackend", "MemoryOptions"]
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tls import TLSFiles, make_tls_files
+from dcpstore.testing.tls import TLSFiles, make_tls_files
 
 __all__ = [
     "ISOLATION_ENV",

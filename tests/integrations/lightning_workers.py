@@ -198,9 +198,9 @@ def checkpoint_cb(dirpath: str) -> Any:
 def _patch_writer(wrap: Callable[[str, Any], None]) -> None:
     """Let a test reach into every writer the integration makes."""
     import dcpstore
-    import dcpstore.api
+    import dcpstore.dcp.api
 
-    for module in (dcpstore, dcpstore.api):  # dcpstore.save looks it up in dcpstore.api
+    for module in (dcpstore, dcpstore.dcp.api):  # dcpstore.save looks it up in dcpstore.dcp.api
         real = module.get_writer
 
         def get_writer(uri: Any, *, _real: Any = real, **options: Any) -> Any:

@@ -52,15 +52,15 @@ from urllib.parse import urlsplit
 import aiohttp
 from typing_extensions import Buffer
 
-from dcpstore.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.dcp.manifest import crc32c
 from dcpstore.errors import (
     BucketNotFoundError,
     IntegrityError,
     StoreThrottledError,
     StoreTimeoutError,
 )
-from dcpstore.manifest import crc32c
-from dcpstore.multipart import MultipartUpload
+from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.storage.multipart import MultipartUpload
 
 from .gcsfs_adapter import GcsfsClient
 

@@ -53,16 +53,16 @@ from urllib.parse import urlsplit
 
 from typing_extensions import Buffer
 
-from dcpstore.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
 from dcpstore.errors import (
     BucketNotFoundError,
     DcpstoreError,
     StoreThrottledError,
     StoreTimeoutError,
 )
-from dcpstore.local import FileUpload, read_file_into
-from dcpstore.redact import install_log_redaction, redact
-from dcpstore.uri import ParsedURI
+from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.storage.local import FileUpload, read_file_into
+from dcpstore.storage.redact import install_log_redaction, redact
+from dcpstore.storage.uri import ParsedURI
 
 __all__ = [
     "MSCBackend",

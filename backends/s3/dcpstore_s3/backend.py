@@ -51,10 +51,10 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from dcpstore.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
 from dcpstore.errors import BucketNotFoundError
-from dcpstore.multipart import MultipartUpload, first_buffer_bytes
-from dcpstore.redact import install_log_redaction
+from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.storage.multipart import MultipartUpload, first_buffer_bytes
+from dcpstore.storage.redact import install_log_redaction
 
 from . import _zerocopy
 from .errors import classify, error_info, is_not_found, redact_url

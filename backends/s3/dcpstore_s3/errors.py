@@ -30,9 +30,9 @@ from botocore.exceptions import (
     SSLError,
 )
 
-from dcpstore.backend import Failure
 from dcpstore.errors import BucketNotFoundError, StoreThrottledError, StoreTimeoutError
-from dcpstore.redact import redact
+from dcpstore.storage.backend import Failure
+from dcpstore.storage.redact import redact
 
 from .options import S3Options
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from dcpstore.backend import BackendOptions
+from dcpstore.storage.backend import BackendOptions
 
 __all__ = [
     "ADDRESSING_STYLES",

@@ -22,15 +22,15 @@ expectations where stores legitimately differ. Each concern is also a class of i
 
 from __future__ import annotations
 
-from ..state import assert_state_equal, many_dtypes_state
-from ._base import ConformanceBase, HTTPEndpoint
-from .checkpoints import CheckpointTests
-from .errors import ErrorTests
-from .listing import ListingTests
-from .objects import ObjectTests
-from .pickling import PicklingTests
-from .ranges import RangeTests
-from .uploads import UploadTests
+from dcpstore.testing.conformance._base import ConformanceBase, HTTPEndpoint
+from dcpstore.testing.conformance.checkpoints import CheckpointTests
+from dcpstore.testing.conformance.errors import ErrorTests
+from dcpstore.testing.conformance.listing import ListingTests
+from dcpstore.testing.conformance.objects import ObjectTests
+from dcpstore.testing.conformance.pickling import PicklingTests
+from dcpstore.testing.conformance.ranges import RangeTests
+from dcpstore.testing.conformance.uploads import UploadTests
+from dcpstore.testing.state import assert_state_equal, many_dtypes_state
 
 __all__ = [
     "BackendConformance",

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 import dcpstore
-from dcpstore.backend import Backend
+from dcpstore.dcp.reader import Reader
+from dcpstore.dcp.writer import Writer
+from dcpstore.storage.backend import Backend
 
 __all__ = ["ConformanceBase", "HTTPEndpoint", "payload"]
 
@@ -84,8 +86,8 @@ class ConformanceBase:
         yield be
         be.close()
 
-    def writer(self, uri: str, options: dict[str, Any], **kw: Any) -> dcpstore.Writer:
+    def writer(self, uri: str, options: dict[str, Any], **kw: Any) -> Writer:
         return dcpstore.get_writer(uri, **options, **kw)
 
-    def reader(self, uri: str, options: dict[str, Any], **kw: Any) -> dcpstore.Reader:
+    def reader(self, uri: str, options: dict[str, Any], **kw: Any) -> Reader:
         return dcpstore.get_reader(uri, **options, **kw)

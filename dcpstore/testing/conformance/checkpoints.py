@@ -10,11 +10,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore import layout
-from dcpstore.backend import Backend
-
-from ..state import assert_state_equal, empty_like_state, many_dtypes_state
-from ._base import ConformanceBase
+from dcpstore.dcp import layout
+from dcpstore.storage.backend import Backend
+from dcpstore.testing.conformance._base import ConformanceBase
+from dcpstore.testing.state import assert_state_equal, empty_like_state, many_dtypes_state
 
 __all__ = ["CheckpointTests"]
 
@@ -169,7 +168,7 @@ class CheckpointTests(ConformanceBase):
         dcpstore.save(state, checkpoint_uri, **backend_options)
         reader = self.reader(checkpoint_uri, backend_options, coalesce_gap=0)
         out = {"t3": torch.zeros(256, 64), "t6": torch.zeros(256, 64)}
-        dcp.load(out, storage_reader=reader, planner=dcpstore.api.CheckedLoadPlanner(
+        dcp.load(out, storage_reader=reader, planner=dcpstore.dcp.api.CheckedLoadPlanner(
             allow_partial_load=True), no_dist=True)
         assert torch.equal(out["t3"], state["t3"]) and torch.equal(out["t6"], state["t6"])
         assert reader.bytes_read == reader.bytes_needed

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.backend import Backend, ReadRange
 from dcpstore.errors import BucketNotFoundError, StoreThrottledError
-
-from ..faultproxy import FaultPlan, FaultProxy, RequestInfo
-from ._base import ConformanceBase, HTTPEndpoint
+from dcpstore.storage.backend import Backend, ReadRange
+from dcpstore.testing.conformance._base import ConformanceBase, HTTPEndpoint
+from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
 
 __all__ = ["ErrorTests"]
 

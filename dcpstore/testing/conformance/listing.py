@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dcpstore.backend import Backend
-
-from ._base import ConformanceBase
+from dcpstore.storage.backend import Backend
+from dcpstore.testing.conformance._base import ConformanceBase
 
 __all__ = ["ListingTests"]
 

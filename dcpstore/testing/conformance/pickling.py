@@ -8,9 +8,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcpstore.backend import Backend
-
-from ._base import ConformanceBase
+from dcpstore.storage.backend import Backend
+from dcpstore.testing.conformance._base import ConformanceBase
 
 __all__ = ["PicklingTests"]
 

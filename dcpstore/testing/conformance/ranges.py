@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dcpstore.backend import Backend, ReadRange
-
-from ._base import ConformanceBase, payload
+from dcpstore.storage.backend import Backend, ReadRange
+from dcpstore.testing.conformance._base import ConformanceBase, payload
 
 __all__ = ["RangeTests"]
 

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from dcpstore.backend import Backend
-
-from ._base import ConformanceBase, payload
+from dcpstore.storage.backend import Backend
+from dcpstore.testing.conformance._base import ConformanceBase, payload
 
 __all__ = ["UploadTests"]
 

@@ -1,0 +1,324 @@
+"""The local backend: POSIX files under a directory (the embedded default).
+
+Data files are written straight to their final, per-save unique names (nothing
+references them until ``.metadata`` is committed). Small objects put with
+``atomic=True`` (``.metadata``) go to a temporary name, are ``fsync``-ed and renamed
+over the target, and the directory is ``fsync``-ed, so a crash leaves either the old
+``.metadata`` or the new one. ``fsync`` of files and directory is on by default.
+
+While a data file is written, the kernel is asked to start writing back every
+``writeback`` bytes (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not
+wait), so the disk works while the rank serializes the next tensors and the ``fsync``
+at commit only waits for the tail, instead of the whole file being flushed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from typing_extensions import Buffer
+
+from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+
+__all__ = ["FileUpload", "LocalBackend", "LocalOptions", "read_file_into"]
+
+logger = logging.getLogger(__name__)
+
+_IOV_MAX = 512  # buffers per preadv call (Linux allows 1024)
+
+
+@dataclass
+class LocalOptions(BackendOptions):
+    """Options of the local backend.
+
+    Attributes:
+        fsync: ``fsync`` data files when committed and the directory at commit. Turning
+            it off trades crash safety for speed.
+        writeback: With ``fsync``, start the write-back of every this many bytes of a
+            data file as it is written (Linux), so the ``fsync`` at commit has little
+            left to wait for; 0 leaves all of it to the ``fsync``.
+        adaptive_concurrency: Off by default here: a local disk has no throttling or
+            network latency to adapt to, so reads keep ``max_concurrency`` in flight.
+    """
+
+    fsync: bool = True
+    writeback: int = 16 * 1024 * 1024
+    adaptive_concurrency: bool = False
+    max_concurrency: int = 4
+    part_size: int = 8 * 1024 * 1024
+    max_attempts: int = 1
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for values that make no sense."""
+        super().validate()
+        if self.writeback < 0:
+            raise ValueError(f"writeback must be >= 0 bytes, got {self.writeback}")
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux only; ``None`` elsewhere or if missing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class FileUpload(Upload):
+    """An upload written straight into a POSIX file, ``fsync``-ed at commit.
+
+    Used by the local backend and by other backends' POSIX paths (MSC).
+
+    Args:
+        key: The key reported in errors and in the committed :class:`ObjectInfo`.
+        path: The file the object lands in (parent directories are created).
+        fsync: ``fsync`` the file at commit.
+        writeback: With ``fsync``, start the write-back of every this many bytes as they
+            are written (Linux ``sync_file_range``); 0 leaves all of it to the ``fsync``.
+        via_temp: Write ``.<name>.<id>.tmp`` beside ``path`` and rename it over ``path``
+            at commit, for a target that may already exist or be read meanwhile; without
+            it the file is created at ``path`` (which must not exist) and removed on abort.
+    """
+
+    def __init__(self, key: str, path: str, *, fsync: bool, writeback: int = 0,
+                 via_temp: bool = False) -> None:
+        self.key = key
+        self.path = path
+        parent, name = os.path.split(path)
+        os.makedirs(parent, exist_ok=True)
+        self._temp = (os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+                      if via_temp else None)
+        self._fd: int | None = os.open(
+            self._temp or path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644,
+        )
+        self._size = 0
+        self._fsync = fsync
+        self._writeback = writeback if fsync else 0
+        self._kick = _sync_file_range() if self._writeback else None
+        self._flushed = 0  # bytes whose write-back was started
+
+    def write(self, data: Buffer) -> int:
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            # with write-back: write up to the next multiple of ``writeback``, then kick
+            step = (self._writeback - (self._size - self._flushed) if self._kick is not None
+                    else len(view))
+            n = os.write(fd, view[:step])
+            view = view[n:]
+            self._size += n
+            if self._kick is not None and self._size - self._flushed >= self._writeback:
+                # an optimization only: an I/O error surfaces at the fsync of commit()
+                self._kick(fd, self._flushed, self._size - self._flushed,
+                           _SYNC_FILE_RANGE_WRITE)
+                self._flushed = self._size
+        return total
+
+    def commit(self) -> ObjectInfo:
+        if self._fd is None:
+            raise ValueError(f"upload of {self.key!r} is already closed")
+        fd, self._fd = self._fd, None
+        try:
+            try:
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self._temp is not None:
+                os.replace(self._temp, self.path)
+        except BaseException:
+            _unlink_quietly(self._temp or self.path)
+            raise
+        return ObjectInfo(self.key, self._size)
+
+    def abort(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        _unlink_quietly(self._temp or self.path)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            self.abort()
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def read_file_into(path: str, offset: int, outs: Sequence[memoryview]) -> None:
+    """Fill ``outs`` in order with the bytes of the file at ``path`` from ``offset``
+    (``preadv``, short reads continued); a file that ends early is an ``EOFError``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        pending = [o for o in outs if len(o)]
+        pos = offset
+        while pending:
+            n = os.preadv(fd, pending[:_IOV_MAX], pos)
+            if n == 0:
+                raise EOFError(f"{path} ends at byte {pos}, expected "
+                               f"{sum(len(o) for o in outs)} bytes from offset {offset} "
+                               "(file truncated?)")
+            pos += n
+            while pending and n >= len(pending[0]):  # drop the buffers now full
+                n -= len(pending.pop(0))
+            if n:
+                pending[0] = pending[0][n:]
+    finally:
+        os.close(fd)
+
+
+class LocalBackend(Backend):
+    """Files under a local directory. URI forms: ``/abs/path``, ``rel/path``, ``file:///p``."""
+
+    Options = LocalOptions
+    name = "file"
+    schemes = ("file",)
+    options: LocalOptions
+
+    @property
+    def uri(self) -> str:
+        return self.location
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.location, *key.split("/"))
+
+    def _fsync_dir(self, path: str) -> None:
+        if not self.options.fsync:
+            return
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- primitives --------------------------------------------------------------------
+
+    def _open_upload(self, key: str) -> Upload:
+        options = self.options
+        return FileUpload(key, self._path(key), fsync=options.fsync,
+                          writeback=options.writeback)
+
+    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        read_file_into(self._path(key), offset, outs)
+
+    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
+        path = self._path(key)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+        target = tmp if atomic else path
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.options.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(target)
+            raise
+        os.close(fd)
+        if atomic:
+            os.replace(tmp, path)
+            self._fsync_dir(parent)
+
+    def _get(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def _stat(self, key: str) -> ObjectInfo:
+        st = os.stat(self._path(key))
+        if not os.path.isfile(self._path(key)):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", self._path(key))
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # Walk only the directory the prefix lies in, not the whole root.
+        head, _, _ = prefix.rpartition("/")
+        start = self._path(head) if head else self.location
+        if not os.path.isdir(start):
+            return
+        for dirpath, _dirs, files in os.walk(start):
+            rel_dir = os.path.relpath(dirpath, self.location)
+            for fname in files:
+                key = fname if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{fname}"
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, fname))
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _list_dirs(self, prefix: str, start_after: str) -> Iterable[str]:
+        start = self._path(prefix.rstrip("/")) if prefix else self.location
+        try:
+            entries = list(os.scandir(start))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        # a directory counts once it holds a file somewhere below it (as on a store)
+        return [e.name for e in entries if e.name > start_after
+                and e.is_dir(follow_symlinks=False) and _holds_file(e.path)]
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        parents = set()
+        for key in keys:
+            path = self._path(key)
+            _unlink_quietly(path)
+            parents.add(os.path.dirname(path))
+        for parent in parents:
+            if os.path.isdir(parent):
+                self._fsync_dir(parent)
+
+    def remove_empty_dirs(self) -> None:
+        """Remove the root and its sub-directories if they hold no files."""
+        if not os.path.isdir(self.location):
+            return
+        for dirpath, _dirs, _files in os.walk(self.location, topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
+        if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.exists(
+            self.location
+        ) and not os.path.isdir(self.location):
+            return Failure(NotADirectoryError(
+                errno.ENOTDIR,
+                f"checkpoint location {self.location} is a file, not a directory; "
+                "choose a directory path",
+            ))
+        if isinstance(exc, FileNotFoundError) and key is not None:
+            return Failure(FileNotFoundError(
+                errno.ENOENT, f"no such object {key!r} under {self.location}", self._path(key)
+            ))
+        return None
+
+
+def _holds_file(path: str) -> bool:
+    """Whether a file exists anywhere under directory ``path``."""
+    return any(files for _, _, files in os.walk(path))

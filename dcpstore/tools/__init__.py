@@ -1,0 +1,2 @@
+"""Tools over checkpoints: :mod:`~dcpstore.tools.ops` (ls, inspect, verify, cp, rm, gc,
+export), the :mod:`~dcpstore.tools.cli` and the :mod:`~dcpstore.tools.demo`."""
