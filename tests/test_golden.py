@@ -204,7 +204,9 @@ def test_plain_corrupted_payload_is_refused(corpus: Path) -> None:
     expected = plain_values()["weight"]
     needle = expected[:32].numpy().tobytes()  # rank 0's Shard(0) chunk, as stored
     hits = [(p, p.read_bytes().find(needle)) for p in (corpus / "plain").glob("*.distcp")]
-    path, at = next((p, at) for p, at in hits if at >= 0)
+    hits = [(p, at) for p, at in hits if at >= 0]
+    assert hits, "weight[:32] is stored in no data file (the corpus itself is damaged?)"
+    path, at = hits[0]
     data = bytearray(path.read_bytes())
     data[at + len(needle) // 2] ^= 0x01
     path.write_bytes(bytes(data))
@@ -310,11 +312,13 @@ def test_verify_cli_reports_a_flipped_byte(corpus: Path) -> None:
 def _load_at_two_ranks(rank: int, world_size: int, root: str) -> bool:
     """On each of 2 ranks: load ``plain/`` and the run's latest step into DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
-    placements = {"weight": [Shard(0)], "norm_bf16": [Replicate()], "frozen": [Shard(0)],
-                  "adapter": [Shard(1)]}  # adapter was saved Shard(0): a reshard
+    placements: dict[str, list[Placement]] = {
+        "weight": [Shard(0)], "norm_bf16": [Replicate()], "frozen": [Shard(0)],
+        "adapter": [Shard(1)],  # saved as Shard(0): loading it is a reshard
+    }
 
     def dtensors(values: dict[str, Any]) -> dict[str, Any]:
         state = template(values)
