@@ -173,6 +173,9 @@ class BackendOptions:
             while throughput grows, back off on latency growth and throttling. ``False``:
             always ``max_concurrency`` in flight (the fixed behaviour).
         part_size: Bytes per upload part / write chunk.
+        multipart_threshold: An object of unknown size up to this many bytes (and at
+            least ``part_size``) is stored with one request, from one buffer; larger
+            ones go up in parts. 0: ``part_size``.
         timeout: Seconds before a single request is abandoned (then retried).
         max_attempts: Attempts per request, the first included.
         retry_backoff: Base of the exponential backoff between attempts, in seconds.
@@ -182,6 +185,7 @@ class BackendOptions:
     max_concurrency: int = 8
     adaptive_concurrency: bool = True
     part_size: int = 32 * 1024 * 1024
+    multipart_threshold: int = 0
     timeout: float = 60.0
     max_attempts: int = 5
     retry_backoff: float = 0.2

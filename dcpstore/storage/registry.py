@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dcpstore.errors import BackendNotFoundError
 
@@ -59,22 +59,20 @@ def _discover() -> dict[str, importlib_metadata.EntryPoint]:
         return _entry_points
 
 
-def register_backend(scheme: str, backend_cls: type[Backend], *, clobber: bool = False) -> None:
-    """Register ``backend_cls`` for ``scheme`` in this process.
+def register_backend(scheme: str, backend_cls: type[Any], *, clobber: bool = False) -> None:
+    """Register a plugin for ``scheme`` in this process.
 
     Args:
         scheme: URI scheme (``"myfs"`` serves ``myfs://...``), case-insensitive.
-        backend_cls: A :class:`dcpstore.Backend` subclass.
+        backend_cls: An :class:`~dcpstore.plugin.ObjectStore` subclass (the contract of
+            :mod:`dcpstore.plugin`), or a framework ``Backend`` subclass.
         clobber: Replace an existing explicit registration instead of raising.
 
     Raises:
         ValueError: ``scheme`` is already registered explicitly and ``clobber`` is false.
-        TypeError: ``backend_cls`` is not a ``Backend`` subclass.
+        TypeError: ``backend_cls`` is neither.
     """
-    from dcpstore.storage.backend import Backend
-
-    if not (isinstance(backend_cls, type) and issubclass(backend_cls, Backend)):
-        raise TypeError(f"backend_cls must be a dcpstore.Backend subclass, got {backend_cls!r}")
+    backend_cls = as_backend_class(backend_cls)
     key = scheme.lower().removesuffix("://")
     if not key.isidentifier() and not key.replace("-", "").replace("+", "").isalnum():
         raise ValueError(f"invalid scheme {scheme!r}")
@@ -120,12 +118,12 @@ def backend_class(name: str) -> type[Backend]:
     ep = _discover().get(name)
     if ep is not None:
         try:
-            cls = ep.load()
+            loaded = ep.load()
         except Exception as exc:
             raise BackendNotFoundError(
                 f"the backend plugin for {name}:// ({ep.value}) failed to import: {exc}"
             ) from exc
-        return cls
+        return as_backend_class(loaded)
     if name == "file":
         from dcpstore.storage.local import LocalBackend
 
@@ -141,6 +139,27 @@ def backend_class(name: str) -> type[Backend]:
         f"unknown storage scheme {name!r}; available: {available}. Plugins add schemes "
         f"through the {ENTRY_POINT_GROUP!r} entry-point group or dcpstore.register_backend()"
     )
+
+
+def as_backend_class(cls: Any) -> type[Backend]:
+    """The framework ``Backend`` class for a plugin class: an
+    :class:`~dcpstore.plugin.ObjectStore` subclass is wrapped by the framework
+    (:func:`dcpstore.storage.store_backend.backend_class`); a ``Backend`` subclass is
+    used as it is.
+
+    Raises:
+        TypeError: ``cls`` is neither.
+    """
+    from dcpstore.storage.backend import Backend
+    from dcpstore.storage.contract import ObjectStore
+    from dcpstore.storage.store_backend import backend_class as wrap
+
+    if isinstance(cls, type) and issubclass(cls, ObjectStore):
+        return wrap(cls)
+    if isinstance(cls, type) and issubclass(cls, Backend):
+        return cls
+    raise TypeError(f"a backend plugin must be a dcpstore.plugin.ObjectStore subclass, "
+                    f"got {cls!r}")
 
 
 def _reset_for_tests() -> None:
