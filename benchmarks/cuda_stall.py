@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from .env import git_commit
 from .workload import format_bytes, parse_size
 
 __all__ = ["SYSTEMS", "main", "render_markdown"]
@@ -280,17 +281,6 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str | None:
-    try:
-        import subprocess
-
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip() or None
-    except Exception:
-        return None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.cuda_stall",
@@ -329,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**vars(args), "root": root}, "state_bytes": nbytes,
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or "cpu"),
-        "torch": torch.__version__, "commit": args.commit or _commit(),
+        "torch": torch.__version__, "commit": args.commit or git_commit(),
         "baseline_step_s": baseline,
         "copy_limit_s": copy_limit(state, device), "systems": [],
     }

@@ -31,7 +31,7 @@ values regenerated chunk by chunk) and drop it between points
 of its points (its Go heap keeps its high-water mark) and the stores' Go servers run
 with a soft memory limit (``GOMEMLIMIT``, ``--server-memory``). Before a point runs,
 :func:`estimate_memory` predicts its peak; a point that would not fit in the memory
-available then (:func:`.stall.check_memory`) is skipped, with the reason in the results,
+available then (:func:`.env.check_memory`) is skipped, with the reason in the results,
 rather than left to the OOM killer. The server's peak RSS during each point is recorded
 (``server`` of each point), so a reader can see when the store was the bottleneck.
 
@@ -63,11 +63,11 @@ from pathlib import Path
 from typing import Any
 
 from . import report, systems
-from .cli import REPO, fill_defaults, machine_info, options_for, versions
+from .env import add_output_args, check_memory, default_out, machine_info, versions
+from .options import fill_defaults, options_for, parse_opts
 from .ranks import JobError, RankPool
 from .runner import Runner, StorePlan
 from .servers import STORE_KINDS, Stores
-from .stall import check_memory
 from .workload import (
     MIXES,
     VERIFY_CHUNK_BYTES,
@@ -221,11 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-headroom", metavar="SIZE",
                    help="memory left free beyond a point's predicted peak; a point that "
                         "would not fit is skipped (default 1GiB)")
-    p.add_argument("--out", type=Path, help="results folder (default: "
-                   "benchmarks/results/tmp/curves-<mode>-<time>)")
-    p.add_argument("--render", type=Path, metavar="DIR",
-                   help="only rebuild results.md and the charts from DIR/results.json")
-    p.add_argument("-v", "--verbose", action="count", default=0)
+    add_output_args(p, "curves-", "results.md and the charts")
     args = p.parse_args(argv)
     fill_defaults(args, _DEFAULTS)
     if args.runs < 1 or args.size_world < 1 or any(w < 1 for w in args.worlds):
@@ -237,16 +233,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                else MEMORY_HEADROOM)
         memory = args.server_memory or os.environ.get("GOMEMLIMIT") or DEFAULT_SERVER_MEMORY
         args.server_memory_bytes = None if memory.lower() == "off" else parse_size(memory)
-        from .cli import _parse_opts
-
-        args.options = _parse_opts(args.opt)
+        args.options = parse_opts(args.opt)
         for name in args.systems or []:
             systems.get(name)
     except (ValueError, KeyError) as exc:
         p.error(str(exc))
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / "tmp" / (
-            f"curves-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out = default_out(f"curves-{args.mode}")
     return args
 
 

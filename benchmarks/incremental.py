@@ -40,7 +40,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,8 @@ from torch import nn
 import dcpstore
 from dcpstore.testing import assert_state_equal
 from dcpstore.tools import ops
+
+from .env import git_commit
 
 __all__ = ["lora_state", "main", "render_markdown", "training_state"]
 
@@ -379,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                         shutil.rmtree(root, ignore_errors=True)
     summary = {store: summarize(cases) for store, cases in raw.items()}
     hash_s = hash_state_seconds(size)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+    commit = git_commit() or ""
     results = {
         "command": " ".join(["python -m benchmarks.incremental", *(argv or sys.argv[1:])]),
         "commit": commit,

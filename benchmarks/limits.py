@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import io
 import logging
 import mmap
 import os
@@ -61,8 +60,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
+from dcpstore_s3._zerocopy import PartStream, readinto
 
-from .systems import TLS_TRUST, OpContext, Operation, System
+from .adapters import OpContext, Operation, System
+from .wire import TLS_TRUST, botocore_path_config
 from .workload import RankState, format_bytes, parse_size
 
 __all__ = [
@@ -448,8 +449,6 @@ class LimitS3(_PartLimit):
         return [f"{ctx.path}/limit_{ctx.rank}/p{i:05d}" for i in range(count)]
 
     def _config(self) -> Any:
-        from .systems import botocore_path_config  # the settings every botocore client gets
-
         return botocore_path_config(
             max_pool_connections=self.concurrency + 4,
             retries={"max_attempts": 3, "mode": "standard"},
@@ -519,7 +518,7 @@ class LimitS3(_PartLimit):
             try:
                 pos = lo
                 while pos < lo + n:
-                    got = _socket_readinto(body, view[pos:lo + n])
+                    got = readinto(body, view[pos:lo + n])
                     if not got:
                         raise EOFError(f"s3://{bucket}/{keys[i]} is short")
                     pos += got
@@ -595,39 +594,13 @@ class LimitS3(_PartLimit):
         return Operation(run, verify=lambda: _matches(view, state), close=client.close)
 
 
-class _BufferFile(io.RawIOBase):
-    """A seekable, readable and writable file over a buffer, without a copy of it:
-    the body of the managed-transfer and CRT uploads, and the file
-    ``download_fileobj`` seeks in and writes each part into."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
+class _BufferFile(PartStream):
+    """dcpstore_s3's zero-copy upload body (a seekable, readable file over a buffer,
+    without a copy of it), writable too: the body of the managed-transfer and CRT
+    uploads, and the file ``download_fileobj`` seeks in and writes each part into."""
 
     def writable(self) -> bool:
         return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, out: Any) -> int:
-        dst = memoryview(out).cast("B")
-        n = max(0, min(len(dst), len(self._view) - self._pos))
-        dst[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
 
     def write(self, data: Any) -> int:
         chunk = memoryview(data).cast("B")
@@ -637,26 +610,6 @@ class _BufferFile(io.RawIOBase):
         self._view[self._pos:end] = chunk
         self._pos = end
         return len(chunk)
-
-
-def _socket_readinto(body: Any, out: memoryview) -> int:
-    """Read a botocore response body into ``out`` straight from http.client's socket
-    file, skipping urllib3's ``readinto`` (which reads into a temporary ``bytes`` and
-    copies): the fewest passes over the bytes this client stack allows."""
-    import http.client
-
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if (raw is None or not isinstance(fp, http.client.HTTPResponse) or fp.chunked
-            or raw.headers.get("content-encoding") or not hasattr(raw, "_fp_bytes_read")):
-        return int(body.readinto(out))
-    n = fp.readinto(out)
-    raw._fp_bytes_read += n  # keep urllib3's accounting, so the connection is reused
-    if raw.length_remaining is not None:
-        raw.length_remaining -= n
-    if fp.isclosed():
-        raw.release_conn()
-    return n
 
 
 # -- S3 through the AWS Common Runtime -------------------------------------------------------

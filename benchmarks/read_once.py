@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,8 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from .env import git_commit
 
 __all__ = ["main"]
 
@@ -265,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = queue.get(timeout=1800)
         for p in procs:
             p.join(60)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+    commit = git_commit() or ""
     meta = {"commit": commit, "world": WORLD, "mib": args.mib, "runs": args.runs,
             "egress": args.egress,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, "

@@ -74,7 +74,7 @@ def _measure(server: S3Server, bucket: str, requests: int, rounds: int) -> dict[
     import dcpstore
     from dcpstore.storage.backend import ReadRange
 
-    from .systems import botocore_path_config
+    from .wire import botocore_path_config
 
     out: dict[str, Any] = {"requests": requests, "rounds": rounds}
     backend = dcpstore.open_backend(
@@ -85,7 +85,7 @@ def _measure(server: S3Server, bucket: str, requests: int, rounds: int) -> dict[
         config=botocore_path_config(),
     )
     try:
-        out["make_client_ms"] = _cpu_ms(backend._make_client, 5, rounds)
+        out["make_client_ms"] = _cpu_ms(backend.store.connect, 5, rounds)
         for size, name in ((1, "1B"), (_MiB, "1MiB")):
             backend.put(f"obj{size}", b"x" * size)
             view = memoryview(bytearray(size))
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from dcpstore.testing.servers import seaweedfs_server
 
-    from .cli import machine_info
+    from .env import machine_info
 
     with seaweedfs_server(bucket="request-cost") as server:
         figures = measure(server, "request-cost", args.requests, args.rounds)

@@ -32,7 +32,6 @@ import math
 import pickle
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -58,6 +57,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+
+from .env import git_commit
 
 __all__ = ["S3_LIST_PAGE", "Mix", "main", "run_scale"]
 
@@ -507,16 +508,8 @@ def run_scale(worlds: list[int], mix: Mix, *, retained: int = RETAINED,
     finally:
         MemoryBackend.delete_bucket(BUCKET)
     return {"mix": asdict(mix), "retained": retained, "rows": rows,
-            "commit": _commit(), "dcpstore": dcpstore.__file__,
+            "commit": git_commit() or "unknown", "dcpstore": dcpstore.__file__,
             "python": platform.python_version(), "torch": torch.__version__}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _fmt_requests(counts: dict[str, int]) -> str:

@@ -24,7 +24,6 @@ certificate and reaches its server over HTTPS, so the counted runs go through TL
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ from dcpstore.testing.servers import (
 from dcpstore.testing.tls import TLSFiles
 
 from . import pagecache
+from .wire import msc_part_profile, msc_profile
 
 __all__ = ["BUCKET", "SERVER_BUDGETS", "STORE_KINDS", "StoreInfo", "Stores"]
 
@@ -227,8 +227,6 @@ class Stores:
     def _write_msc_config(self) -> None:
         """Write the MSC configuration of every S3 store's profiles (a new file after a
         replacement: MSC caches what it read per ``MSC_CONFIG`` path)."""
-        from .systems import msc_part_profile  # systems imports this module
-
         profiles: dict[str, Any] = {}
         for info in self.info.values():
             if info.kind != "s3" or info.endpoint_url is None:
@@ -237,10 +235,10 @@ class Stores:
             if info.proxy_url is not None and info.msc_profile_counted:
                 endpoints[info.msc_profile_counted] = info.proxy_url
             for base, endpoint in endpoints.items():
-                profiles[base] = _msc_profile(endpoint, info.region)
+                profiles[base] = msc_profile(endpoint, info.region, BUCKET)
                 for part in self.msc_part_sizes:
-                    profiles[msc_part_profile(base, part)] = _msc_profile(
-                        endpoint, info.region, part_size=part)
+                    profiles[msc_part_profile(base, part)] = msc_profile(
+                        endpoint, info.region, BUCKET, part_size=part)
         if not profiles:
             return
         replaced = sum(self.restarts.values())
@@ -334,19 +332,6 @@ class Stores:
                          "budget_bytes": self.budgets.get(name),
                          "fresh_restarts": self.restarts.get(name, 0)}
         return out
-
-
-def _msc_profile(endpoint: str, region: str, *, part_size: int | None = None
-                 ) -> dict[str, Any]:
-    # no credentials_provider: MSC's S3 provider takes the same AWS_* environment as
-    # every other client; the request settings are every botocore client's
-    from .systems import BOTOCORE_S3_CONFIG
-
-    options: dict[str, Any] = {"base_path": BUCKET, "endpoint_url": endpoint,
-                               "region_name": region, **copy.deepcopy(BOTOCORE_S3_CONFIG)}
-    if part_size is not None:
-        options.update(multipart_threshold=part_size, multipart_chunksize=part_size)
-    return {"storage_provider": {"type": "s3", "options": options}}
 
 
 def _write_yaml(path: Path, data: dict[str, Any]) -> None:

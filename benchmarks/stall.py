@@ -54,17 +54,16 @@ from pathlib import Path
 from typing import Any
 
 from . import stall_systems
+from .env import add_output_args, check_memory, default_out, machine_info, versions
 from .ranks import Job, JobError, RankPool
 from .servers import StoreInfo, Stores
 from .systems import STALL_PREFIX
 from .workload import WorkloadSpec, format_bytes, parse_size
 
-__all__ = ["balanced_orders", "check_memory", "evaluate_targets", "main", "parse_args",
+__all__ = ["balanced_orders", "evaluate_targets", "main", "parse_args",
            "render_markdown", "summarize"]
 
 logger = logging.getLogger(__name__)
-
-REPO = Path(__file__).resolve().parent.parent
 
 #: Systems per store kind, in report order.
 SYSTEMS: dict[str, list[str]] = {
@@ -117,11 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="measure resume after a restart (needs seaweedfs; full default on)")
     p.add_argument("--local-dir", help="directory of the local store and the local tiers")
-    p.add_argument("--out", type=Path, help="results folder (default: "
-                   "benchmarks/results/tmp/stall-<mode>-<time>)")
-    p.add_argument("--render", type=Path, metavar="DIR",
-                   help="only rebuild results.md and the chart from DIR/results.json")
-    p.add_argument("-v", "--verbose", action="count", default=0)
+    add_output_args(p, "stall-", "results.md and the chart")
     args = p.parse_args(argv)
     q = args.quick
     args.mode = "quick" if q else "full"
@@ -140,8 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / "tmp" / (
-            f"stall-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out = default_out(f"stall-{args.mode}")
     return args
 
 
@@ -265,20 +259,6 @@ def load_note(result: dict[str, Any]) -> str | None:
     return text
 
 
-def check_memory(need: float, basis: str) -> str | None:
-    """Whether ``need`` bytes fit in the memory available now
-    (``psutil.virtual_memory().available``): ``None`` when they do, else the reason to
-    skip what needs them (``basis`` says how ``need`` was predicted). Shared by the stall
-    suite and the scaling curves (:mod:`benchmarks.curves`)."""
-    import psutil
-
-    free = psutil.virtual_memory().available
-    if need <= free:
-        return None
-    return (f"skipped: predicted peak {format_bytes(need)} ({basis}) > "
-            f"{format_bytes(free)} available")
-
-
 # -- running -------------------------------------------------------------------------------
 
 
@@ -323,68 +303,8 @@ def estimate_seconds(args: argparse.Namespace, plan: list[tuple[int, str, list[s
     return total
 
 
-#: Bytes a SeaweedFS server takes before it is replaced by a fresh one (``weed mini``
-#: does not reclaim deleted objects' space until a vacuum; after ~100 GiB it answered
-#: HTTP 500 to every upload).
-SEAWEEDFS_BUDGET = 32 << 30
-
-
-class _StoreSet:
-    """The stores of a run, each in its own :class:`Stores`, so that SeaweedFS can be
-    replaced by a fresh, empty server between cases (see :data:`SEAWEEDFS_BUDGET`)."""
-
-    def __init__(self, names: list[str], workdir: Path, local_dir: str | None) -> None:
-        self.workdir = workdir
-        self.local_dir = local_dir
-        self._stores: dict[str, Stores] = {}
-        self.info: dict[str, StoreInfo] = {}
-        self.written: dict[str, int] = {}
-        self.restarts: dict[str, int] = {}
-        self._described: dict[str, Any] = {}
-        try:
-            for name in names:
-                self._start(name)
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, name: str) -> None:
-        stores = Stores([name], self.workdir, local_dir=self.local_dir, count_requests=False)
-        stores.__enter__()
-        self._stores[name] = stores
-        self.info[name] = stores.info[name]
-        self.written[name] = 0
-        self._described.update(stores.describe())
-
-    def reserve(self, name: str, nbytes: int) -> None:
-        """Account ``nbytes`` about to be written to ``name``; replace the server first
-        when that would exceed its budget."""
-        if name == "seaweedfs" and self.written[name] and \
-                self.written[name] + nbytes > SEAWEEDFS_BUDGET:
-            print(f"  (fresh SeaweedFS server: {format_bytes(self.written[name])} written "
-                  "to the last one)", flush=True)
-            self._stores.pop(name).__exit__(None, None, None)
-            self._start(name)
-            self.restarts[name] = self.restarts.get(name, 0) + 1
-        self.written[name] += nbytes
-
-    def delete(self, name: str, path: str) -> None:
-        """Delete a finished case's objects (see :meth:`Stores.delete`)."""
-        self._stores[name].delete(name, path)
-
-    def describe(self) -> dict[str, Any]:
-        """As :meth:`Stores.describe`, plus how often each server was replaced."""
-        return {name: {**d, "fresh_restarts": self.restarts.get(name, 0)}
-                for name, d in self._described.items()}
-
-    def close(self) -> None:
-        """Stop every store."""
-        while self._stores:
-            self._stores.popitem()[1].__exit__(None, None, None)
-
-
 class _Suite:
-    def __init__(self, args: argparse.Namespace, stores: _StoreSet, pool: RankPool,
+    def __init__(self, args: argparse.Namespace, stores: Stores, pool: RankPool,
                  rate: float) -> None:
         self.args = args
         self.stores = stores
@@ -415,6 +335,14 @@ class _Suite:
         print(f"  {store_name:<9} {format_bytes(size):>7} {label:<32} {reason}", flush=True)
         return False
 
+    def _reserve(self, store_name: str, nbytes: int) -> None:
+        """Account the bytes a case is about to write (:meth:`Stores.reserve`: SeaweedFS
+        is replaced by a fresh, empty server once its budget would be passed)."""
+        before = self.stores.written[store_name]
+        if self.stores.reserve(store_name, nbytes):
+            print(f"  (fresh SeaweedFS server: {format_bytes(before)} written to the last "
+                  "one)", flush=True)
+
     def _timeout(self, size: int, compute_s: float) -> float:
         return 300.0 + self.args.saves * (3 * compute_s + size / 2e6)
 
@@ -444,7 +372,7 @@ class _Suite:
         else:
             options["compute_iters"] = max(1, round(compute_s * self.rate))
         timeout = self._timeout(size, compute_s)
-        self.stores.reserve(store_name, size * args.saves)
+        self._reserve(store_name, size * args.saves)
         store = self.stores.info[store_name]
         probe = _LoadProbe()
         started = time.monotonic()
@@ -483,7 +411,7 @@ class _Suite:
 
     def run_resume(self, size: int, rep: int) -> None:
         """Prepare a tiered checkpoint, then load it in restarted ranks three ways."""
-        self.stores.reserve("seaweedfs", 2 * size)
+        self._reserve("seaweedfs", 2 * size)
         store = self.stores.info["seaweedfs"]
         spec = WorkloadSpec(size, tensors=self.args.tensors, seed=self.args.seed)
         entry = self.resume.setdefault((size, "seaweedfs"), {
@@ -554,8 +482,6 @@ def build_plan(args: argparse.Namespace) -> tuple[list[tuple[int, str, list[str]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the suite; return 0 when every case ran and every load was bit-exact."""
-    from .cli import machine_info, versions
-
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
@@ -585,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = RankPool(args.world_size)
     compute: dict[tuple[int, str], float] = {}
 
-    def result_of(suite: _Suite, stores: _StoreSet, *, partial: bool) -> dict[str, Any]:
+    def result_of(suite: _Suite, stores: Stores, *, partial: bool) -> dict[str, Any]:
         cases = [copy.deepcopy(c) for c in suite.cases.values()
                  if c["runs"] or c["errors"] != [
                      f"run {i + 1}: not run: memory" for i in range(len(c["errors"]))]]
@@ -617,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     # results of the cases that finished are on disk already
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        stores = _StoreSet(store_names, args.out, args.local_dir)
-        try:
+        # one Stores for them all: SeaweedFS is replaced by a fresh server between cases
+        # once SERVER_BUDGETS' bytes were written to it (weed mini reclaims space lazily)
+        stores = Stores(store_names, args.out, local_dir=args.local_dir, count_requests=False)
+        with stores:
             suite = _Suite(args, stores, pool, rate)
             for size, store, labels in plan:
                 compute[(size, store)] = cs = compute_seconds(args, store, size)
@@ -631,8 +559,6 @@ def main(argv: list[str] | None = None) -> int:
                         suite.run_resume(size, rep)
                         _write_results(result_of(suite, stores, partial=True), args.out)
             result = result_of(suite, stores, partial=False)
-        finally:
-            stores.close()
     finally:
         pool.close()
     return _finish(result, args.out)

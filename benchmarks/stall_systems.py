@@ -49,7 +49,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ClassVar, cast
 
-from .systems import OpContext, Operation, System
+from .adapters import OpContext, Operation, System, split_variant
 from .workload import RankState
 
 __all__ = ["MASK", "STALL_SYSTEMS", "StallSystem", "get", "names", "step_name", "toggle"]
@@ -953,8 +953,6 @@ def get(label: str) -> StallSystem:
     Raises:
         KeyError: No such system or variant.
     """
-    from .systems import split_variant
-
     name, variant = split_variant(label)
     if name not in STALL_SYSTEMS:
         raise KeyError(f"unknown stall system {name!r}; known: {', '.join(STALL_SYSTEMS)}")

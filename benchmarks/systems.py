@@ -32,7 +32,7 @@ same way: ``payload_signing_enabled=False`` (``UNSIGNED-PAYLOAD``, which botocor
 signer obeys over plain HTTP too when it is set explicitly) and
 ``request_checksum_calculation`` / ``response_checksum_validation`` =
 ``"when_required"`` (no per-request CRC trailers, no response checksum validation).
-s3torchconnector's CRT client exposes neither setting (see :data:`CRT_SETTINGS`).
+s3torchconnector's CRT client exposes neither setting (see :mod:`benchmarks.wire`).
 :meth:`System.settings` states them per system; the report prints them.
 
 **TLS** (``--tls``). Every server is reached over HTTPS with a certificate of a throwaway
@@ -48,27 +48,34 @@ tuning picked, per operation) or explicit options, ``msc[thread_count=4,part_siz
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .servers import StoreInfo
-from .workload import RankState, parse_size
+from . import stall_systems
+from .adapters import (
+    OpContext,
+    Operation,
+    System,
+    environment,
+    options_variant,
+    parse_option_value,
+    parse_options_variant,
+    split_variant,
+)
+from .limits import LimitGCS, LimitLocal, LimitS3, LimitSystem
+from .wire import BOTOCORE_S3_CONFIG, CRT_SETTINGS, msc_part_profile
+from .workload import RankState
 
 __all__ = [
-    "BOTOCORE_S3_CONFIG",
     "DEFAULT_SYSTEMS",
+    "STALL_PREFIX",
     "OpContext",
     "Operation",
     "System",
-    "botocore_path_config",
     "environment",
     "get",
-    "msc_part_profile",
+    "names",
     "options_variant",
     "parse_option_value",
     "parse_options_variant",
@@ -79,168 +86,9 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 
-#: The request settings every botocore-based system gets (see the module docstring).
-BOTOCORE_S3_CONFIG: dict[str, Any] = {
-    "s3": {"payload_signing_enabled": False},
-    "request_checksum_calculation": "when_required",
-    "response_checksum_validation": "when_required",
-}
-
-
-def botocore_path_config(**extra: Any) -> Any:
-    """A botocore ``Config`` with :data:`BOTOCORE_S3_CONFIG` and path-style addressing
-    (the stand-ins' buckets are not DNS names), plus ``extra`` (pools, retries,
-    timeouts): what the raw boto3 clients of the limits and of ``request_cost`` use."""
-    from botocore.config import Config
-
-    settings = dict(BOTOCORE_S3_CONFIG)
-    settings["s3"] = {**BOTOCORE_S3_CONFIG["s3"], "addressing_style": "path"}
-    return Config(**settings, **extra)
-
-
-#: How :data:`BOTOCORE_S3_CONFIG` reads in the report.
-BOTOCORE_SETTINGS: dict[str, str] = {
-    "payload": "UNSIGNED-PAYLOAD (payload_signing_enabled=False)",
-    "request checksums": "when_required (none on PUT/UploadPart)",
-    "response checksums": "when_required (not validated)",
-}
-#: s3torchconnector's CRT client (mountpoint-s3-client) has no knob for either: what it
-#: does by default, as ``python -m benchmarks.wire_settings`` sees it on the wire.
-CRT_SETTINGS: dict[str, str] = {
-    "payload": "UNSIGNED-PAYLOAD (CRT default, not configurable)",
-    "request checksums": "none (CRT default, not configurable)",
-    "response checksums": "not requested (CRT default, not configurable)",
-}
-#: How the ``--tls`` CA reaches each client stack (:meth:`System.tls_trust`).
-TLS_TRUST: dict[str, str] = {
-    "botocore": "AWS_CA_BUNDLE (botocore)",
-    "aiobotocore": "AWS_CA_BUNDLE (aiobotocore, under s3fs)",
-    "msc": "AWS_CA_BUNDLE (MSC's boto3 client)",
-    "crt": "SSL_CERT_FILE (the CRT's default trust store)",
-    "aiohttp": "SSL_CERT_FILE (aiohttp's default SSL context)",
-}
 #: The tuning grid's values (``--grid`` overrides them): threads / concurrency and part size.
 GRID_THREADS: tuple[int, ...] = (1, 4, 8)
 GRID_PART_SIZES: tuple[int, ...] = (8 * _MiB, 32 * _MiB)
-
-
-@dataclass
-class OpContext:
-    """Where and how one rank runs one operation.
-
-    Attributes:
-        store: The store (for counted runs: its proxy endpoint / MSC profile).
-        path: Checkpoint prefix relative to the store root.
-        rank: This rank.
-        world_size: Ranks taking part.
-        options: Options for the system (``--opt``).
-        counted: Whether this is an untimed request-counting run.
-    """
-
-    store: StoreInfo
-    path: str
-    rank: int
-    world_size: int
-    options: dict[str, Any] = field(default_factory=dict)
-    counted: bool = False
-
-
-@dataclass
-class Operation:
-    """A prepared save or load.
-
-    Attributes:
-        run: The timed part; returns system-specific figures.
-        verify: Untimed check after a load (``None``: the harness compares the
-            destination state with the expected one).
-        close: Untimed clean-up (thread pools, sessions).
-    """
-
-    run: Callable[[], dict[str, Any]]
-    verify: Callable[[], bool] | None = None
-    close: Callable[[], None] | None = None
-
-
-def environment(ctx: OpContext) -> dict[str, str]:
-    """Variables every client gets for this store (credentials, MSC config)."""
-    env = dict(ctx.store.env)
-    if ctx.store.kind == "s3" and ctx.store.endpoint_url:
-        env["AWS_ENDPOINT_URL"] = ctx.store.endpoint_url  # read by s3torchconnector's CRT
-    if ctx.store.msc_config:
-        env["MSC_CONFIG"] = ctx.store.msc_config
-    env.setdefault("NO_PROXY", "127.0.0.1,localhost")
-    return env
-
-
-class System:
-    """A system under test. Subclasses set the class attributes and the two hooks."""
-
-    #: Name on the command line and in the results.
-    name: ClassVar[str] = ""
-    #: Store kinds it runs on (``local``, ``s3``, ``gcs``).
-    kinds: ClassVar[tuple[str, ...]] = ()
-    #: Modules it needs (a missing one skips the system, with the reason).
-    requires: ClassVar[tuple[str, ...]] = ()
-    #: A raw-I/O limit rather than a DCP system.
-    is_limit: ClassVar[bool] = False
-    #: One of dcpstore's own.
-    is_dcpstore: ClassVar[bool] = False
-    #: One line for the report.
-    description: ClassVar[str] = ""
-    #: Tuning grid of a peer: option -> values tried (their cross product); empty for
-    #: dcpstore (run at its defaults) and the limits (which have variants instead).
-    grid: ClassVar[dict[str, tuple[Any, ...]]] = {}
-    #: The grid options its reader uses (the others only change the save).
-    reader_keys: ClassVar[frozenset[str]] = frozenset()
-    #: The library's defaults of the grid options (a tuned best equal to them is not
-    #: run twice).
-    defaults: ClassVar[dict[str, Any]] = {}
-    #: Its client stack, a key of :data:`TLS_TRUST` (``""``: no HTTP, the local store).
-    client_stack: ClassVar[str] = ""
-
-    def __init__(self, variant: str = "") -> None:
-        self.variant = variant
-
-    def settings(self) -> dict[str, str]:
-        """Payload signing and checksum settings of its requests (``{}``: not HTTP)."""
-        return dict(BOTOCORE_SETTINGS) if "s3" in self.kinds else {}
-
-    def tls_trust(self) -> str | None:
-        """How the ``--tls`` CA reaches its client (``None``: it makes no HTTP
-        requests)."""
-        return TLS_TRUST[self.client_stack] if self.client_stack else None
-
-    def variant_options(self) -> dict[str, Any]:
-        """Options its bracket names (``[thread_count=4,part_size=8MiB]``); ``{}`` for
-        ``[best]`` (resolved by the runner) and for no bracket."""
-        if self.variant in ("", "best"):
-            return {}
-        return parse_options_variant(self.variant)
-
-    @property
-    def label(self) -> str:
-        """Name with variant, e.g. ``limit-s3[64MiBx8]``."""
-        return f"{self.name}[{self.variant}]" if self.variant else self.name
-
-    def unavailable(self) -> str | None:
-        """Why the system cannot run here (a missing package), or ``None``."""
-        for module in self.requires:
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                return f"python module {module!r} is not installed"
-        return None
-
-    def prepare_save(self, ctx: OpContext, state: RankState) -> Operation:
-        """Build what the save needs; return it ready to run."""
-        raise NotImplementedError
-
-    def prepare_load(self, ctx: OpContext, state: RankState) -> Operation:
-        """Build what the load needs (the destination is zeroed); return it ready."""
-        raise NotImplementedError
-
 
 # -- DCP systems ---------------------------------------------------------------------------
 
@@ -354,7 +202,8 @@ class Dcpstore(DCPSystem):
         files = getattr(getattr(obj, "options", None), "files_per_rank", None)
         if files is not None:
             figures["files_per_rank"] = int(files)
-        counts = getattr(obj.backend, "request_counts", None)
+        # a plugin's own request counters (S3's), on its store
+        counts = getattr(getattr(obj.backend, "store", None), "request_counts", None)
         if counts:
             figures["backend_requests"] = dict(counts)
         # what the adaptive concurrency limits settled on (dcpstore.storage.concurrency)
@@ -585,70 +434,12 @@ class MSC(DCPSystem):
         return MultiStorageFileSystemReader(self._url(ctx), **threads)
 
 
-def msc_part_profile(profile: str, part_size: int) -> str:
-    """The MSC profile of ``profile``'s server with ``part_size`` parts."""
-    return f"{profile}-part{part_size}"
-
-
-def parse_options_variant(variant: str) -> dict[str, Any]:
-    """``"thread_count=4,part_size=8MiB"`` -> ``{"thread_count": 4, "part_size": 8 MiB}``.
-
-    Raises:
-        ValueError: Not ``KEY=VALUE`` pairs separated by commas.
-    """
-    out: dict[str, Any] = {}
-    for item in variant.split(","):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"bad system variant {variant!r} (use best or "
-                             "KEY=VALUE,KEY=VALUE)")
-        out[key.strip()] = parse_option_value(value.strip())
-    return out
-
-
-def options_variant(options: dict[str, Any]) -> str:
-    """The inverse of :func:`parse_options_variant` (sizes of whole MiB as ``8MiB``)."""
-    def text(key: str, v: Any) -> str:
-        if key == "part_size" and isinstance(v, int) and v % _MiB == 0:
-            return f"{v // _MiB}MiB"
-        return str(v)
-
-    return ",".join(f"{k}={text(k, v)}" for k, v in sorted(options.items()))
-
-
-def parse_option_value(text: str) -> Any:
-    """``"true"`` / ``"none"`` / ``"4"`` / ``"0.5"`` / ``"8MiB"`` / anything else as text."""
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float, parse_size):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-# -- raw limits ----------------------------------------------------------------------------
-
-
-def split_variant(label: str) -> tuple[str, str]:
-    """``"limit-s3[64MiBx8]"`` -> ``("limit-s3", "64MiBx8")``; no bracket -> ``(label, "")``."""
-    m = re.fullmatch(r"([^\[\]]+)(?:\[([^\[\]]*)\])?", label)
-    if m is None:
-        raise ValueError(f"bad system name {label!r}")
-    return m.group(1), m.group(2) or ""
 
 
 # -- registry ------------------------------------------------------------------------------
 
-# the limits live in benchmarks/limits.py (it imports the classes above)
-from .limits import LimitGCS, LimitLocal, LimitS3, LimitSystem  # noqa: E402
-
+# the limits live in benchmarks/limits.py, the stall suite's systems in
+# benchmarks/stall_systems.py: both build on benchmarks.adapters, not on this module
 _SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (
     DcpstoreLocal, TorchFS, LimitLocal,
     DcpstoreS3, TorchFsspecS3, S3TorchConnector, MSC, DcpstoreMSC, LimitS3,
@@ -673,9 +464,7 @@ def get(label: str) -> System:
         KeyError: No such system.
     """
     if label.startswith(STALL_PREFIX):  # the stall suite's systems (benchmarks.stall)
-        from .stall_systems import get as get_stall
-
-        return get_stall(label[len(STALL_PREFIX):])
+        return stall_systems.get(label[len(STALL_PREFIX):])
     name, variant = split_variant(label)
     if name not in _SYSTEMS:
         raise KeyError(f"unknown system {name!r}; known: {', '.join(_SYSTEMS)}")

@@ -3,7 +3,7 @@ the wire about payload signing and checksums.
 
 A header-logging TCP relay sits in front of a moto server on 127.0.0.1; each client
 uploads a 20 MiB object (multipart where the client splits it) and reads it back, with
-the request settings the benchmark gives it (:data:`benchmarks.systems.BOTOCORE_S3_CONFIG`
+the request settings the benchmark gives it (:data:`benchmarks.wire.BOTOCORE_S3_CONFIG`
 for every botocore-based client; s3torchconnector's CRT client has no such setting) and,
 for comparison, boto3 at its defaults. Printed per client: every distinct value of
 ``x-amz-content-sha256`` (the payload hash, or ``UNSIGNED-PAYLOAD``) and every checksum
@@ -22,7 +22,7 @@ import os
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["HeaderLog", "client_checks", "main", "observe"]
@@ -87,50 +87,49 @@ class HeaderLog:
         """Relay client -> server, parsing each request's head (bodies by length)."""
         buf = b""
         skip = 0  # body bytes of the current request still to pass through
-        try:
+        chunks = _forward(src, dst)
+        for data in chunks:
+            buf += data
             while True:
-                data = src.recv(1 << 20)
-                if not data:
-                    break
-                dst.sendall(data)
-                buf += data
-                while True:
+                if skip:
+                    n = min(skip, len(buf))
+                    buf, skip = buf[n:], skip - n
                     if skip:
-                        n = min(skip, len(buf))
-                        buf, skip = buf[n:], skip - n
-                        if skip:
-                            break
-                    end = buf.find(b"\r\n\r\n")
-                    if end < 0:
                         break
-                    headers = self._record(buf[:end])
-                    buf = buf[end + 4:]
-                    if "chunked" in headers.get("transfer-encoding", ""):
-                        # no framing to follow: pass the rest through unparsed
-                        _relay(src, dst)
-                        return
-                    skip = int(headers.get("content-length", "0") or 0)
-        except OSError:
-            pass
-        finally:
-            _shutdown(src, dst)
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                headers = self._record(buf[:end])
+                buf = buf[end + 4:]
+                if "chunked" in headers.get("transfer-encoding", ""):
+                    # no framing to follow: pass the rest through unparsed
+                    collections.deque(chunks, maxlen=0)
+                    return
+                skip = int(headers.get("content-length", "0") or 0)
 
 
 def _is_hex_digest(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value.lower())
 
 
-def _relay(src: socket.socket, dst: socket.socket) -> None:
+def _forward(src: socket.socket, dst: socket.socket) -> Iterator[bytes]:
+    """Pass what ``src`` sends on to ``dst``, yielding each chunk, until either end
+    closes; then shut both down."""
     try:
         while True:
             data = src.recv(1 << 20)
             if not data:
                 break
             dst.sendall(data)
+            yield data
     except OSError:
         pass
     finally:
         _shutdown(src, dst)
+
+
+def _relay(src: socket.socket, dst: socket.socket) -> None:
+    collections.deque(_forward(src, dst), maxlen=0)
 
 
 def _shutdown(*socks: socket.socket) -> None:
@@ -145,8 +144,7 @@ def client_checks(endpoint: str, region: str, bucket: str, workdir: str
     as the benchmark configures that client."""
     from botocore.config import Config
 
-    from .servers import _msc_profile
-    from .systems import BOTOCORE_S3_CONFIG
+    from .wire import BOTOCORE_S3_CONFIG, msc_profile
 
     def boto3_client(cfg: dict[str, Any]) -> Callable[[bytes], None]:
         def run(data: bytes) -> None:
@@ -175,8 +173,7 @@ def client_checks(endpoint: str, region: str, bucket: str, workdir: str
         import multistorageclient as msc
         import yaml
 
-        profile = _msc_profile(endpoint, region, part_size=8 << 20)
-        profile["storage_provider"]["options"]["base_path"] = bucket
+        profile = msc_profile(endpoint, region, bucket, part_size=8 << 20)
         path = os.path.join(workdir, "msc.yaml")
         with open(path, "w") as f:
             yaml.safe_dump({"profiles": {"wire": profile}}, f)

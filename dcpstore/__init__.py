@@ -91,10 +91,13 @@ _FORMER: dict[str, str] = {
 }
 
 
+_submodule = _compat.submodule_getattr(__name__)
+
+
 def __getattr__(name: str) -> Any:
     target = _PUBLIC.get(name) or _FORMER.get(name)
-    if target is None:
-        raise AttributeError(f"module 'dcpstore' has no attribute {name!r}")
+    if target is None:  # a subpackage or module: dcpstore.training, dcpstore.errors, ...
+        return _submodule(name)
     module, _, attr = target.partition(":")
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value  # later look-ups skip this function

@@ -55,3 +55,21 @@ def install() -> None:
     """Add the finder once (``import dcpstore`` does)."""
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.append(_AliasFinder())
+
+
+def submodule_getattr(package: str) -> Any:
+    """A module ``__getattr__`` for ``package`` that imports a submodule on first access,
+    so ``dcpstore.training.state`` works after a bare ``import dcpstore`` (the package
+    imports nothing heavy up front)."""
+
+    def __getattr__(name: str) -> ModuleType:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{package}.{name}":
+                raise
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return __getattr__

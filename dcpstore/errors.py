@@ -102,23 +102,29 @@ class ConfigurationError(DcpstoreError, ValueError):
 class StoreError(DcpstoreError, OSError):
     """A request to the store failed; the base of every store failure kind.
 
-    Raised like ``OSError``: ``StoreError(errno, message)``. A plugin's
-    :meth:`~dcpstore.plugin.ObjectStore.map_error` returns one of its subclasses.
+    Raised like ``OSError``: ``StoreError(errno, message)`` or ``StoreError(message)``
+    (the kind's own errno). A plugin's :meth:`~dcpstore.plugin.ObjectStore.map_error`
+    returns one of its subclasses.
 
     Attributes:
         request_id: The store's id of the failed request, where it gave one (quote it
             to the store's support); never a secret.
-        retryable: Whether the framework retries a request that failed this way.
+        retryable: Whether the framework retries a request that failed this way: the
+            kind's default, or ``retryable=`` given for one failure (an untrusted TLS
+            certificate is unavailable but not worth retrying).
     """
 
-    retryable: ClassVar[bool] = False
+    retryable: bool = False
     default_errno: ClassVar[int] = _errno.EIO
 
-    def __init__(self, *args: Any, request_id: str | None = None) -> None:
+    def __init__(self, *args: Any, request_id: str | None = None,
+                 retryable: bool | None = None) -> None:
         if len(args) == 1 and isinstance(args[0], str):
             args = (self.default_errno, args[0])
         super().__init__(*args)
         self.request_id = request_id
+        if retryable is not None:
+            self.retryable = retryable
 
     def __str__(self) -> str:
         text = self.strerror if self.strerror is not None else super().__str__()
@@ -203,12 +209,17 @@ def encode_error(exc: BaseException) -> bytes:
     }).encode()
 
 
-def decode_error(data: bytes) -> BaseException:
+def decode_error(data: bytes, note: str = "") -> BaseException:
     """The exception :func:`encode_error` encoded: the same class where it is a dcpstore
     error or a builtin exception (another class becomes a :class:`DcpstoreError` that
-    names it), with its ``errno`` and request id."""
+    names it), with its ``errno`` and request id.
+
+    Args:
+        data: What :func:`encode_error` returned.
+        note: Appended to the message (e.g. which rank saw the error first).
+    """
     fields = json.loads(data)
-    name, message = str(fields.get("type")), str(fields.get("message", ""))
+    name, message = str(fields.get("type")), str(fields.get("message", "")) + note
     number, request_id = fields.get("errno"), fields.get("request_id")
     cls: Any = None
     if fields.get("module") == __name__:

@@ -4,13 +4,15 @@
 
 A plugin subclasses :class:`ObjectStore` (or :class:`MultipartStore`), implements its
 methods (see :mod:`dcpstore.storage.contract` and ``docs/writing-a-backend.md``), maps
-its SDK's exceptions to the failure kinds below in :meth:`ObjectStore.map_error`, and
+its SDK's exceptions to the failure kinds below in :meth:`ObjectStore.map_error`
+(CRC32C helpers are here too, for stores that check what they assemble), and
 registers the class in the ``dcpstore.backends`` entry-point group (or with
 :func:`register_backend`). Its test runs :class:`dcpstore.testing.BackendConformance`.
 """
 
 from __future__ import annotations
 
+from dcpstore.dcp.checksum import crc32c, crc32c_combine
 from dcpstore.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -23,6 +25,7 @@ from dcpstore.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from dcpstore.storage.backend import Upload
 from dcpstore.storage.contract import (
     MultipartStore,
     ObjectInfo,
@@ -31,6 +34,7 @@ from dcpstore.storage.contract import (
     StoreOptions,
 )
 from dcpstore.storage.registry import available_backends, register_backend
+from dcpstore.storage.uri import ParsedURI
 
 __all__ = [
     "AccessDeniedError",
@@ -41,6 +45,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectStore",
     "ObjectTooLargeError",
+    "ParsedURI",
     "PreconditionFailedError",
     "StoreError",
     "StoreLimits",
@@ -48,6 +53,9 @@ __all__ = [
     "StoreThrottledError",
     "StoreTimeoutError",
     "StoreUnavailableError",
+    "Upload",
     "available_backends",
+    "crc32c",
+    "crc32c_combine",
     "register_backend",
 ]

@@ -30,7 +30,7 @@ def fsdp_save(rank: int, world_size: int, uri: str, options: dict[str, Any],
     if rank == 0:
         torch.save(full, reference)
     backend = writer.backend
-    return {"requests": backend.request_counts, "coordinator": writer.is_coordinator}
+    return {"requests": backend.store.request_counts, "coordinator": writer.is_coordinator}
 
 
 def fsdp_load(rank: int, world_size: int, uri: str, options: dict[str, Any],

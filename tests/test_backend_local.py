@@ -18,7 +18,7 @@ import dcpstore
 from dcpstore.dcp import layout
 from dcpstore.errors import BucketNotFoundError, StoreThrottledError
 from dcpstore.storage import local
-from dcpstore.storage.backend import Failure, ReadRange
+from dcpstore.storage.backend import Backend, Failure, ReadRange
 from dcpstore.storage.local import LocalBackend, LocalOptions
 from dcpstore.testing import BackendConformance
 
@@ -31,6 +31,13 @@ class TestLocalBackend(BackendConformance):
     @pytest.fixture
     def checkpoint_uri(self, tmp_path: Path) -> str:
         return str(tmp_path / "ckpt")
+
+    @pytest.fixture
+    def store_faults(self) -> dict[str, BaseException]:
+        """What the OS raises: a refused permission, a network file system's timeout."""
+        return {"denied": PermissionError(errno.EACCES, "Permission denied"),
+                "timeout": TimeoutError(errno.ETIMEDOUT, "Connection timed out"),
+                "not_found": FileNotFoundError(errno.ENOENT, "No such file or directory")}
 
 
 class TestLocalBackendFileURI(BackendConformance):
@@ -164,13 +171,14 @@ def test_save_starts_writeback_and_syncs_data_before_the_commit_point(
     assert kicks == [(i * MiB, MiB) for i in range(size // MiB)]
     assert journal.index(("kick", data, *kicks[-1])) < journal.index(("fsync", data))
     manifest = next(f for f in os.listdir(uri) if f.startswith(".dcpstore-"))
-    (rename,) = [e for e in journal.events if e[0] == "rename"]
-    temp = rename[1]
-    assert rename[2] == layout.METADATA_KEY
-    order = [journal.index(("fsync", data)), journal.index(("fsync", manifest)),
-             journal.index(("fsync", temp)), journal.index(rename),
-             journal.index(("fsync", "."))]
+    # every put is atomic: a temporary name, fsync, rename, fsync of the directory
+    put_manifest, put_metadata = [e for e in journal.events if e[0] == "rename"]
+    assert put_manifest[2] == manifest and put_metadata[2] == layout.METADATA_KEY
+    order = [journal.index(("fsync", data)), journal.index(("fsync", put_manifest[1])),
+             journal.index(put_manifest), journal.index(("fsync", put_metadata[1])),
+             journal.index(put_metadata)]
     assert order == sorted(order), journal.events
+    assert journal.events[order[-1] + 1] == ("fsync", "."), journal.events
     out = {"w": torch.zeros(1024, 1024), "b": torch.zeros(1000), "step": 0}
     dcpstore.load(out, str(uri))
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
@@ -181,7 +189,10 @@ def test_save_starts_writeback_and_syncs_data_before_the_commit_point(
 
 
 class _Scripted(LocalBackend):
-    """A local backend whose ``get`` raises a script of exceptions first."""
+    """A local backend whose ``get`` raises a script of exceptions first (and whose
+    client is the framework ``Backend``'s lazy one, made by ``_make_client``)."""
+
+    client = Backend.client
 
     def __init__(self, location: str, options: LocalOptions | None = None) -> None:
         super().__init__(location, options)
@@ -276,11 +287,91 @@ def test_lazy_client_made_once_dropped_by_pickle_and_close(tmp_path: Path) -> No
 
 
 def test_remove_empty_dirs_is_a_hook_of_every_backend(tmp_path: Path) -> None:
-    from dcpstore.storage.backend import Backend
-
     assert Backend.remove_empty_dirs is not LocalBackend.remove_empty_dirs
     backend = LocalBackend(str(tmp_path / "root"))
     backend.put("a/b/c", b"1")
     backend.delete(["a/b/c"])
     backend.remove_empty_dirs()
     assert not (tmp_path / "root").exists()
+
+
+# -- the store on the plugin contract ------------------------------------------------------
+
+
+def test_local_backend_is_a_plugin_store(tmp_path: Path) -> None:
+    from dcpstore.storage.store_backend import StoreBackend
+
+    backend = dcpstore.open_backend(str(tmp_path / "c"))
+    assert isinstance(backend, LocalBackend) and isinstance(backend, StoreBackend)
+    assert isinstance(backend.store, local.LocalStore)
+    assert backend.uri == str(tmp_path / "c")  # the plain path
+    assert LocalBackend(str(tmp_path)).uri == str(tmp_path)
+    clone = pickle.loads(pickle.dumps(backend))
+    assert type(clone) is LocalBackend and clone.store.location == str(tmp_path / "c")
+
+
+def test_every_put_is_atomic_and_leaves_no_temporary(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    backend.put("a/b", b"one")
+    backend.put("a/b", b"two", atomic=False)  # atomic all the same
+    assert (tmp_path / "a" / "b").read_bytes() == b"two"
+    assert os.listdir(tmp_path / "a") == ["b"]
+
+
+def test_list_walks_only_the_prefixs_directories(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = LocalBackend(str(tmp_path))
+    for key in ("step-1/x", "step-1/sub/y", "step-2/z", "other/deep/w", "step-10/v"):
+        backend.put(key, b"1")
+    scanned: list[str] = []
+    real = os.scandir
+
+    def scandir(path: Any) -> Any:
+        scanned.append(os.path.relpath(path, tmp_path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert [o.key for o in backend.list("step-1/")] == ["step-1/sub/y", "step-1/x"]
+    assert set(scanned) == {"step-1", "step-1/sub"}
+    scanned.clear()
+    assert [o.key for o in backend.list("step-1")] == ["step-1/sub/y", "step-1/x",
+                                                       "step-10/v"]
+    assert "other" not in scanned and "step-2" not in scanned
+
+
+def test_location_that_is_a_file_is_not_a_directory_and_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "afile"
+    target.write_text("x")
+    backend = LocalBackend(str(target))
+    for op in (lambda: backend.put("k", b"1"), lambda: backend.stat("k"),
+               lambda: backend.open_upload("k")):
+        with pytest.raises(NotADirectoryError, match="is a file, not a directory") as info:
+            op()
+        assert isinstance(info.value, dcpstore.errors.ConfigurationError)
+        assert info.value.errno == errno.ENOTDIR
+
+
+def test_missing_object_is_object_not_found(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    with pytest.raises(dcpstore.errors.ObjectNotFoundError, match="'nope'"):
+        backend.get("nope")
+
+
+def test_disk_full_stays_an_os_error_and_is_not_retried(tmp_path: Path) -> None:
+    store = local.LocalStore(str(tmp_path))
+    assert store.map_error(OSError(errno.ENOSPC, "No space left on device"), "k") is None
+    assert store.map_error(OSError(errno.EDQUOT, "Disk quota exceeded"), "k") is None
+
+
+def test_scheme_with_an_absolute_path_roots_a_path_based_store() -> None:
+    from dcpstore.storage.uri import parse_uri
+
+    parsed = parse_uri("sqlite:///var/data/ckpt.db?timeout=3")
+    assert (parsed.scheme, parsed.location, parsed.query) == (
+        "sqlite", "/var/data/ckpt.db", {"timeout": "3"})
+    assert parse_uri("mystore://bucket/a/b").location == "bucket/a/b"
+    for bad in ("mystore://", "mystore:///", "mystore:///a/../b"):
+        with pytest.raises(dcpstore.errors.InvalidURIError):
+            parse_uri(bad)

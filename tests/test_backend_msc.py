@@ -154,7 +154,8 @@ def test_feature_flag_resolves_like_msc(msc_env: MSCEnv, monkeypatch: pytest.Mon
         writer = dcpstore.get_writer(url, backend="msc")
         assert isinstance(writer.backend, MSCBackend)
         client, path = msc.resolve_storage_client(url)
-        assert (writer.backend.profile, writer.backend.root) == (client.profile, path.rstrip("/"))
+        store = writer.backend.store
+        assert (store.profile, store.root) == (client.profile, path.rstrip("/"))
         dcp.save(state, storage_writer=writer)
         out = {"w": torch.zeros(16, 4), "step": 0}
         dcpstore.load(out, url, backend="msc")
@@ -175,10 +176,10 @@ def test_config_option_path_and_dict(msc_env: MSCEnv, monkeypatch: pytest.Monkey
     monkeypatch.delenv("MSC_CONFIG")
     url = f"s3://{BUCKET}-mapped/{fresh('opt')}"
     be = dcpstore.open_backend(url, backend="msc", config=str(msc_env.config_file))
-    assert (be.profile, be.root) == (S3_PROFILE, url.split("/", 3)[3])
+    assert (be.store.profile, be.store.root) == (S3_PROFILE, url.split("/", 3)[3])
     be.put("x", b"1")
     monkeypatch.setenv("DCPSTORE_MSC_CONFIG", str(msc_env.config_file))
-    assert dcpstore.open_backend(f"msc://{S3_PROFILE}/{be.root}").get("x") == b"1"
+    assert dcpstore.open_backend(f"msc://{S3_PROFILE}/{be.store.root}").get("x") == b"1"
 
 
 # -- interop with MSC's own DCP integration -------------------------------------------------
@@ -432,7 +433,7 @@ def test_truncated_object_is_eoferror(s3_store: tuple[S3Server, str], stored: in
         be = _counting_backend(s3, bucket, proxy, read_chunk=CHUNK)
         be.put("obj", data)
         # truncate it behind dcpstore's back
-        s3.client().put_object(Bucket=bucket, Key=f"{be.root}/obj", Body=data[:stored])
+        s3.client().put_object(Bucket=bucket, Key=f"{be.store.root}/obj", Body=data[:stored])
         offset, length = CHUNK // 2, 7 * CHUNK  # chunks start at offset + k * CHUNK
         bufs = [memoryview(bytearray(n)) for n in (100, length - 200, 100)]
         message = (rf"counted/.*/obj {ends} {stored}, expected {length} bytes from offset "

@@ -26,7 +26,8 @@ import botocore
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcpstore_s3 import S3Backend, S3MultipartUpload, S3Options, _zerocopy
+from botocore.exceptions import ClientError, ReadTimeoutError
+from dcpstore_s3 import S3Backend, S3Options, S3Store, _zerocopy
 from dcpstore_s3.keys import hashed_key, is_data_file, logical_key
 from stores import S3_TEST_BUCKET
 from test_multipart import _odd_writes
@@ -37,6 +38,7 @@ import dcpstore.dcp.writer
 from dcpstore.storage import registry
 from dcpstore.storage.backend import ReadRange
 from dcpstore.storage.multipart import PartBuffers
+from dcpstore.storage.store_backend import StoreUpload
 from dcpstore.testing import BackendConformance, HTTPEndpoint
 from dcpstore.testing.servers import S3Server, free_port
 
@@ -64,6 +66,24 @@ class _S3Conformance(BackendConformance):
     @pytest.fixture
     def http_endpoint(self, server: S3Server) -> HTTPEndpoint:
         return HTTPEndpoint(server.endpoint_url, lambda url: {"endpoint_url": url})
+
+    @pytest.fixture
+    def store_faults(self) -> dict[str, BaseException]:
+        def error(status: int, code: str) -> ClientError:
+            return ClientError({"Error": {"Code": code, "Message": "scripted"},
+                                "ResponseMetadata": {"HTTPStatusCode": status,
+                                                     "RequestId": "req-1"}}, "GetObject")
+
+        return {
+            "throttled": error(503, "SlowDown"),
+            "timeout": ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
+            "unavailable": error(500, "InternalError"),
+            "denied": error(403, "AccessDenied"),
+            "not_found": error(404, "NoSuchKey"),
+            "missing_bucket": error(404, "NoSuchBucket"),
+            "too_large": error(400, "EntityTooLarge"),
+            "precondition": error(412, "PreconditionFailed"),
+        }
 
 
 class TestMotoConformance(_S3Conformance):
@@ -171,9 +191,9 @@ def test_plugin_registered_for_s3_and_s3a() -> None:
     assert S3Backend.name == "s3" and S3Backend.schemes == ("s3", "s3a")
     backend = dcpstore.open_backend("s3a://bucket/run7/step-3")
     assert isinstance(backend, S3Backend)
-    assert (backend.bucket, backend.root, backend.uri) == ("bucket", "run7/step-3/",
+    assert (backend.store.bucket, backend.store.root, backend.uri) == ("bucket", "run7/step-3/",
                                                            "s3://bucket/run7/step-3")
-    assert dcpstore.open_backend("s3://bucket").root == ""
+    assert dcpstore.open_backend("s3://bucket").store.root == ""
 
 
 def test_options_precedence_keyword_query_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -362,7 +382,7 @@ def test_missing_bucket(s3: S3Server) -> None:
     with pytest.raises(dcpstore.BucketNotFoundError, match=f"bucket '{bucket}' does not exist"):
         dcpstore.load({"w": torch.zeros(4)}, uri, **opts)
     assert time.monotonic() - started < 10
-    assert backend.request_counts == {"get_object": 1}  # not retried
+    assert backend.store.request_counts == {"get_object": 1}  # not retried
 
 
 def test_access_denied(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -376,7 +396,7 @@ def test_access_denied(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(PermissionError, match="AccessDenied") as denied:
         reader.put("x", b"1")
     assert "request id" in str(denied.value) and f"s3://{S3_TEST_BUCKET}/" in str(denied.value)
-    assert reader.request_counts.get("put_object") == 1  # not retried
+    assert reader.store.request_counts.get("put_object") == 1  # not retried
     with pytest.raises(PermissionError):
         dcpstore.save({"w": torch.randn(4)}, uri, overwrite=True, **opts)
 
@@ -400,7 +420,7 @@ def test_unreachable_endpoint_fails_fast() -> None:
     with pytest.raises(ConnectionError, match=f"cannot reach the S3 endpoint "
                                               f"http://127.0.0.1:{port}"):
         backend.get(".metadata")
-    assert backend.request_counts == {"get_object": 2}
+    assert backend.store.request_counts == {"get_object": 2}
     with pytest.raises(ConnectionError, match="cannot reach"):
         dcpstore.save({"w": torch.randn(4)}, uri, **opts)
     assert time.monotonic() - started < 10
@@ -444,7 +464,7 @@ def test_stuck_request_times_out() -> None:
         with pytest.raises(dcpstore.StoreTimeoutError, match="timed out"):
             backend.get("k")
         assert time.monotonic() - started < 5
-        assert backend.request_counts == {"get_object": 2}
+        assert backend.store.request_counts == {"get_object": 2}
         backend.close()
 
 
@@ -513,25 +533,25 @@ def test_retries_throttling_5xx_and_dropped_connections(
                        (429, "TooManyRequests")]
     with caplog.at_level(logging.WARNING):
         assert backend.get("k") == b"payload!"
-    assert backend.request_counts == {"get_object": 5}
+    assert backend.store.request_counts == {"get_object": 5}
     assert len(scripted.requests) == 5  # botocore did not retry on its own
     assert "SlowDown" in caplog.text and "retrying" in caplog.text
 
-    backend.reset_stats()
+    backend.store.reset_stats()
     scripted.script = [(503, "SlowDown")] * 5
     with pytest.raises(OSError, match=r"SlowDown.*req-\d+") as exhausted:
         backend.get("k")
     assert "5 attempt(s)" in str(exhausted.value)
-    assert backend.request_counts == {"get_object": 5}
+    assert backend.store.request_counts == {"get_object": 5}
 
     for status, code, error in [(403, "AccessDenied", PermissionError),
                                 (404, "NoSuchKey", FileNotFoundError),
                                 (400, "InvalidArgument", OSError)]:
-        backend.reset_stats()
+        backend.store.reset_stats()
         scripted.script = [(status, code)]
         with pytest.raises(error, match=rf"{code}.*HTTP {status}, request id req-\d+"):
             backend.get("k")
-        assert backend.request_counts == {"get_object": 1}  # not retried
+        assert backend.store.request_counts == {"get_object": 1}  # not retried
 
 
 # -- saves and loads: streaming, bounded, efficient ------------------------------------------
@@ -544,37 +564,37 @@ def test_parts_upload_while_writing_bounded(moto: S3Server,
     active = 0
     peak = 0
     lock = threading.Lock()
-    original = S3MultipartUpload._upload_part
+    original = S3Store.upload_part
 
-    def tracked(self: S3MultipartUpload, upload_id: str, number: int, data: memoryview) -> Any:
+    def tracked(self: S3Store, key: str, upload_id: str, number: int, data: memoryview) -> Any:
         nonlocal active, peak
         with lock:
             active += 1
             peak = max(peak, active)
         try:
             time.sleep(0.05)
-            return original(self, upload_id, number, data)
+            return original(self, key, upload_id, number, data)
         finally:
             with lock:
                 active -= 1
 
-    monkeypatch.setattr(S3MultipartUpload, "_upload_part", tracked)
+    monkeypatch.setattr(S3Store, "upload_part", tracked)
     part = 5 * MiB
     chunk = bytes(range(256)) * (MiB // 256)
     upload = backend.open_upload("big.distcp")
     for _ in range(5 * part // MiB):
         upload.write(chunk)
-    assert isinstance(upload, S3MultipartUpload)
+    assert isinstance(upload, StoreUpload)
     upload._drain()  # parts went up while we were still writing, before any commit
-    counts = backend.request_counts
+    counts = backend.store.request_counts
     assert counts["create_multipart_upload"] == 1 and counts["upload_part"] == 5
     assert "complete_multipart_upload" not in counts
     assert not backend.exists("big.distcp")  # not visible before commit
     upload.write(b"tail")
     assert upload.commit().size == 5 * part + 4
     assert peak <= 2  # max_concurrency bounds the parts in flight (and the memory)
-    assert backend.request_counts["upload_part"] == 6
-    assert backend.bytes_written == 5 * part + 4
+    assert backend.store.request_counts["upload_part"] == 6
+    assert backend.store.bytes_written == 5 * part + 4
     assert backend.stat("big.distcp").size == 5 * part + 4
 
 
@@ -585,7 +605,7 @@ def test_small_objects_are_one_put(moto: S3Server) -> None:
         upload.write(b"x" * 1000)
         upload.commit()
     backend.put(".metadata", b"m", atomic=True)
-    assert backend.request_counts == {"put_object": 2}
+    assert backend.store.request_counts == {"put_object": 2}
 
 
 def test_save_requests_scale_with_files_not_tensors(moto: S3Server) -> None:
@@ -596,13 +616,13 @@ def test_save_requests_scale_with_files_not_tensors(moto: S3Server) -> None:
     backend = writer.backend
     assert isinstance(backend, S3Backend)
     # coordinator: one existence check (.metadata); data file, manifest, .metadata: a PUT each
-    assert backend.request_counts == {"get_object": 1, "put_object": 3}
+    assert backend.store.request_counts == {"get_object": 1, "put_object": 3}
 
     uri = _uri("requests")
     writer = dcpstore.get_writer(uri, files_per_rank=2, **_opts(moto))
     state = {f"t{i}": torch.randn(64 * 1024) for i in range(48)}  # 12 MiB in 48 tensors
     dcp.save(state, storage_writer=writer, no_dist=True)
-    counts = writer.backend.request_counts  # type: ignore[attr-defined]
+    counts = writer.backend.store.request_counts  # type: ignore[attr-defined]
     assert counts == {"get_object": 1, "put_object": 2, "create_multipart_upload": 2,
                       "upload_part": 4, "complete_multipart_upload": 2}
     out = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -628,8 +648,8 @@ def test_partial_load_fetches_only_needed_bytes(s3: S3Server) -> None:
         assert isinstance(fetched, S3Backend)
         assert reader.requests == requests
         # .metadata and manifest, then exactly the ranges the reader planned
-        assert fetched.request_counts == {"get_object": 2 + requests}
-        assert fetched.bytes_read == small + reader.bytes_read
+        assert fetched.store.request_counts == {"get_object": 2 + requests}
+        assert fetched.store.bytes_read == small + reader.bytes_read
         item = reader.bytes_needed // 2
         if gap == 0:
             assert reader.bytes_read == reader.bytes_needed
@@ -641,11 +661,11 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
     uri = _uri("interrupted")
     state = {"a": torch.randn(2 * MiB), "b": torch.randn(2 * MiB)}  # 8 MiB each
     created: list[str] = []
-    original_create = S3MultipartUpload._create
+    original_create = S3Store.start_upload
 
-    def create(self: S3MultipartUpload) -> str:
-        created.append(self.key)
-        return original_create(self)
+    def create(self: S3Store, key: str) -> str:
+        created.append(key)
+        return original_create(self, key)
 
     prepared = 0
     original_prepare = dcpstore.dcp.writer._prepare_tensor
@@ -657,7 +677,7 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
             raise RuntimeError("serializer crashed mid-write")
         return original_prepare(tensor)
 
-    monkeypatch.setattr(S3MultipartUpload, "_create", create)
+    monkeypatch.setattr(S3Store, "start_upload", create)
     monkeypatch.setattr(dcpstore.dcp.writer, "_prepare_tensor", prepare)
     with pytest.raises(RuntimeError, match="mid-write"):
         # one 16 MiB file: its first 8 MiB are parts of a multipart upload by the crash
@@ -677,7 +697,7 @@ def test_dangling_uploads_listed_and_aborted(s3: S3Server, strategy: str) -> Non
     key = "__3_0.0123456789abcdef.distcp"
     upload = backend.open_upload(key)
     upload.write(bytes(5 * MiB + 10))
-    assert isinstance(upload, S3MultipartUpload)
+    assert isinstance(upload, StoreUpload)
     upload._drain()  # a rank that crashed here leaves an open multipart upload
     uploads = backend.list_uploads()
     assert [k for k, _ in uploads] == [key]
@@ -697,14 +717,14 @@ def test_parts_are_sent_without_a_copy(moto: S3Server,
     backend = dcpstore.open_backend(_uri("nocopy"), **_opts(moto, max_concurrency=2))
     assert isinstance(backend, S3Backend)
     bodies: list[Any] = []
-    original = S3Backend._request
+    original = S3Store._request
 
-    def request(self: S3Backend, operation: str, **params: Any) -> Any:
+    def request(self: S3Store, operation: str, **params: Any) -> Any:
         if operation in ("upload_part", "put_object"):
             bodies.append(params["Body"])
         return original(self, operation, **params)
 
-    monkeypatch.setattr(S3Backend, "_request", request)
+    monkeypatch.setattr(S3Store, "_request", request)
     copies: list[int] = []  # botocore's CRT signer copies every body that is not bytes
     try:
         import botocore.crt.auth as crt_auth
@@ -729,7 +749,7 @@ def test_parts_are_sent_without_a_copy(moto: S3Server,
     upload.write(data[1000:])
     upload.commit()
     assert backend.get("parts.distcp") == data
-    pool = PartBuffers.of(backend, part, S3MultipartUpload._allocate_buffer)
+    pool = PartBuffers.of(backend, part, StoreUpload._allocate_buffer)
     assert len(bodies) == 5 and copies == []
     # each part's body is a view of a pooled buffer, reused part after part, and urllib3
     # gets that view (one sendall), without an Expect: 100-continue round trip
@@ -814,8 +834,8 @@ def test_zero_copy_reads_come_straight_from_the_socket(moto: S3Server) -> None:
     assert isinstance(backend, S3Backend)
     data = secrets.token_bytes(3 * MiB + 17)
     backend.put("direct.bin", data)
-    response = backend.client.get_object(Bucket=backend.bucket,
-                                         Key=backend._physical("direct.bin"))
+    response = backend.client.get_object(Bucket=backend.store.bucket,
+                                         Key=backend.store._physical("direct.bin"))
     body = response["Body"]
     fp = _zerocopy.direct_response(body)
     assert fp is not None, "botocore/urllib3 changed: ranged reads would copy every byte"

@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:  # `pytest` run as a script does not put the repo 
     sys.path.insert(0, str(REPO))
 
 from benchmarks import stall, stall_systems  # noqa: E402
+from benchmarks.servers import Stores  # noqa: E402
 
 MiB = 1 << 20
 
@@ -166,23 +167,26 @@ def test_copy_limit_of_another_store_and_load_note() -> None:
 
 
 def test_seaweedfs_is_replaced_before_it_fills(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stall, "SEAWEEDFS_BUDGET", 10 * MiB)
-    stores = stall._StoreSet(["seaweedfs"], tmp_path, None)
-    try:
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The stall suite's stores (the harness's :class:`Stores`, without counting
+    proxies) replace SeaweedFS by a fresh server once its budget would be passed."""
+    with Stores(["seaweedfs"], tmp_path, count_requests=False,
+                budgets={"seaweedfs": 10 * MiB}) as stores:
+        suite = object.__new__(stall._Suite)
+        suite.stores = stores
         first = stores.info["seaweedfs"]
-        stores.reserve("seaweedfs", 8 * MiB)  # within the budget: same server
+        suite._reserve("seaweedfs", 8 * MiB)  # within the budget: same server
         assert stores.info["seaweedfs"] is first
-        stores.reserve("seaweedfs", 8 * MiB)  # 16 MiB > 10 MiB: a fresh, empty one
+        assert "fresh SeaweedFS" not in capsys.readouterr().out
+        suite._reserve("seaweedfs", 8 * MiB)  # 16 MiB > 10 MiB: a fresh, empty one
+        assert "fresh SeaweedFS server: 8 MiB written" in capsys.readouterr().out
         second = stores.info["seaweedfs"]
         assert second.endpoint_url != first.endpoint_url
         assert stores.written["seaweedfs"] == 8 * MiB
         assert stores.describe()["seaweedfs"]["fresh_restarts"] == 1
-        stores.reserve("seaweedfs", 64 * MiB)  # one case larger than the budget still runs
+        suite._reserve("seaweedfs", 64 * MiB)  # one case larger than the budget still runs
         assert stores.info["seaweedfs"].endpoint_url != second.endpoint_url
         assert stores.written["seaweedfs"] == 64 * MiB
-    finally:
-        stores.close()
 
 
 def test_memory_guard_skips_what_would_not_fit() -> None:

@@ -14,6 +14,7 @@ arithmetic.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -29,11 +30,69 @@ if str(REPO) not in sys.path:  # `pytest` run as a script does not put the repo 
     sys.path.insert(0, str(REPO))
 
 from benchmarks import report, systems, tuning  # noqa: E402
-from benchmarks.cli import _parse_opts, options_for, parse_args  # noqa: E402
+from benchmarks.cli import parse_args  # noqa: E402
+from benchmarks.options import options_for, parse_opts  # noqa: E402
 from benchmarks.runner import balanced_order, precedence_counts  # noqa: E402
 from benchmarks.workload import WorkloadSpec, _fill, parse_size, plan_tensors  # noqa: E402
 
 MiB = 1 << 20
+
+
+# -- module structure ----------------------------------------------------------------------
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """benchmarks' import graph: module -> the benchmarks modules it imports anywhere
+    (at the top, inside functions, under ``TYPE_CHECKING``; relative or absolute)."""
+    package = REPO / "benchmarks"
+    modules = {p.stem for p in package.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.glob("*.py")):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level > 1:
+                    raise AssertionError(f"{path.name}: import from above benchmarks/")
+                if node.level == 0 and (node.module or "").split(".")[0] != "benchmarks":
+                    continue
+                parts = (node.module or "").split(".")[node.level == 0:]
+                if parts and parts[0]:
+                    deps.add(parts[0])
+                else:  # from . import a, b / from benchmarks import a, b
+                    deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[1] for a in node.names
+                            if a.name.startswith("benchmarks."))
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def test_benchmarks_have_no_import_cycle() -> None:
+    """No module of benchmarks/ imports, directly or through others, one that imports it
+    back -- lazily inside a function or not: shared pieces live in leaf modules
+    (env, options, wire, adapters) instead."""
+    graph = _benchmark_imports()
+    # the parser sees the edges that are there (lazy ones included)
+    assert {"runner", "env", "options"} <= graph["cli"]
+    assert "curves" in graph["cli"]  # imported inside main()
+    assert "systems" in graph["ranks"]  # imported inside the rank's worker
+    assert {"limits", "stall_systems"} <= graph["systems"]
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep):], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 # -- workload ------------------------------------------------------------------------------
@@ -91,7 +150,7 @@ def test_sizes() -> None:
 
 
 def test_option_scopes() -> None:
-    scoped = _parse_opts(["s3.part_size=64MiB", "files_per_rank=2",
+    scoped = parse_opts(["s3.part_size=64MiB", "files_per_rank=2",
                           "torch-fsspec-s3.thread_count=4", "gcs.max_concurrency=8"])
     assert options_for(scoped, "dcpstore-s3") == {"part_size": 64 * MiB, "files_per_rank": 2}
     assert options_for(scoped, "dcpstore-gcs") == {"max_concurrency": 8, "files_per_rank": 2}
@@ -99,10 +158,10 @@ def test_option_scopes() -> None:
     assert options_for(scoped, "s3torchconnector") == {}
     assert options_for(scoped, "limit-s3[64MiBx8]") == {}
     with pytest.raises(ValueError, match="unknown scope"):
-        _parse_opts(["nope.x=1"])
+        parse_opts(["nope.x=1"])
     # the peers' grid options are reachable too: s3torchconnector's part size, and the
     # MSC peer (whose name, msc, is dcpstore's MSC backend scope) as multistorageclient
-    peers = _parse_opts(["s3torchconnector.part_size=32MiB", "multistorageclient.thread_count=4",
+    peers = parse_opts(["s3torchconnector.part_size=32MiB", "multistorageclient.thread_count=4",
                          "msc.part_size=16MiB"])
     assert options_for(peers, "s3torchconnector") == {"part_size": 32 * MiB}
     assert options_for(peers, "msc") == {"thread_count": 4}

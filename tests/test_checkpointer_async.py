@@ -145,22 +145,23 @@ def test_mutating_right_after_save_keeps_the_snapshot(mode: str, tmp_path: Path)
 
 def test_process_mode_uses_one_persistent_process(tmp_path: Path) -> None:
     with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
-        assert ckpt._worker is not None
-        pid = ckpt._worker.pid
+        assert ckpt._writers.worker is not None
+        pid = ckpt._writers.worker.pid
         for step in range(1, 5):
             ckpt.save(step, _state(step))
         ckpt.wait()
-        assert ckpt._worker.pid == pid and ckpt._worker.alive()
+        assert ckpt._writers.worker.pid == pid and ckpt._writers.worker.alive()
         assert ckpt.steps() == [1, 2, 3, 4]
-    assert not ckpt._worker.alive()  # close() stops it
+    assert not ckpt._writers.worker.alive()  # close() stops it
 
 
 def test_writer_process_starts_and_warms_up_with_the_checkpointer(tmp_path: Path) -> None:
     """The process is started by the constructor and imports torch while training runs,
     so no save (not even the first) waits for it to start."""
     with dcpstore.Checkpointer(str(tmp_path), async_mode="process") as ckpt:
-        assert ckpt._worker is not None and ckpt._worker.alive()  # before any save
-        pid = ckpt._worker.pid
+        worker = ckpt._writers.worker
+        assert worker is not None and worker.alive()  # before any save
+        pid = worker.pid
         deadline = time.monotonic() + 120
         while True:  # torch's library mapped = imported (the import is its last step)
             with open(f"/proc/{pid}/maps") as f:
@@ -169,7 +170,7 @@ def test_writer_process_starts_and_warms_up_with_the_checkpointer(tmp_path: Path
             assert time.monotonic() < deadline, "the writer process never imported torch"
             time.sleep(0.05)
         ckpt.save(1, _state(1))
-        assert ckpt._worker.pid == pid
+        assert ckpt._writers.worker.pid == pid
         ckpt.wait()
         assert ckpt.steps() == [1]
 
@@ -188,14 +189,14 @@ def test_killed_writer_process_is_detected_and_nothing_committed(tmp_path: Path)
         ckpt.save(1, {"x": torch.ones(4)})
         ckpt.wait()
         # killed while idle: the next save() raises, starts nothing, commits nothing
-        assert ckpt._worker is not None
-        _kill(ckpt._worker)
+        assert ckpt._writers.worker is not None
+        _kill(ckpt._writers.worker)
         with pytest.raises(dcpstore.BackgroundWriterDiedError, match="died"):
             ckpt.save(2, {"x": torch.zeros(4)})
         # killed while writing: the next wait() raises; nothing of step 3 is committed
         ckpt.save(3, big)
-        assert ckpt._worker is not None
-        _kill(ckpt._worker, settle=False)
+        assert ckpt._writers.worker is not None
+        _kill(ckpt._writers.worker, settle=False)
         with pytest.raises(dcpstore.BackgroundWriterDiedError, match="not committed"):
             ckpt.wait()
         assert ckpt.steps() == [1]
@@ -279,7 +280,7 @@ def test_process_mode_writes_while_the_snapshot_is_copied(
         assert ckpt.steps() == [1, 2]
         assert not (tmp_path / "step-000000003" / ".metadata").exists()
         fail[0], seen["step"] = False, 4
-        assert ckpt._worker is not None and ckpt._worker.alive()
+        assert ckpt._writers.worker is not None and ckpt._writers.worker.alive()
         ckpt.save(4, state)
         ckpt.wait()
         assert ckpt.steps() == [1, 2, 4]
@@ -330,8 +331,8 @@ def _rank_killed_writer(rank: int, world_size: int, root: str) -> str:
     ckpt.save(1, {f"x{rank}": torch.ones(4)})
     ckpt.wait()
     if rank == 1:
-        assert ckpt._worker is not None
-        _kill(ckpt._worker)
+        assert ckpt._writers.worker is not None
+        _kill(ckpt._writers.worker)
     dist.barrier()
     try:
         ckpt.save(2, {f"x{rank}": torch.zeros(4)})

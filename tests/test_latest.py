@@ -127,14 +127,14 @@ def test_pointer_lost_stale_or_damaged_never_names_an_uncommitted_step(
 _KILLED_BETWEEN_COMMIT_AND_POINTER = textwrap.dedent("""
     import os, signal, sys, torch
     import dcpstore
-    from dcpstore.training import checkpointer
+    from dcpstore.training import root as ckpt_root
     root = sys.argv[1]
     ckpt = dcpstore.Checkpointer(root, keep_last=3)
     for step in (1, 2):
         ckpt.save(step, {"w": torch.full((4,), float(step))})
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    checkpointer.write_pointer = die   # step 3 commits, then the process is killed
+    ckpt_root.write_pointer = die   # step 3 commits, then the process is killed
     ckpt.save(3, {"w": torch.full((4,), 3.0)})
     print("not killed")
 """)

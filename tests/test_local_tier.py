@@ -28,7 +28,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcpstore
+import dcpstore.training.background
 import dcpstore.training.checkpointer as ckpt_mod
+import dcpstore.training.drain
+import dcpstore.training.loading
 import dcpstore.training.local_tier
 from dcpstore.dcp import layout
 from dcpstore.storage import registry
@@ -57,13 +60,13 @@ class _Sources:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.uris: list[str] = []
-        real = ckpt_mod.load
+        real = dcpstore.training.loading.load
 
         def spy(state: Any, uri: Any, **kw: Any) -> None:
             self.uris.append(str(uri))
             real(state, uri, **kw)
 
-        monkeypatch.setattr(ckpt_mod, "load", spy)
+        monkeypatch.setattr(dcpstore.training.loading, "load", spy)
 
 
 @pytest.fixture
@@ -200,7 +203,7 @@ def test_failed_drain_is_retried_then_reported(tmp_path: Path, custom_backends: 
     # reported once, also through save()
     _FlakyBackend.failures = 100
     ckpt.save(4, _state(4))
-    ckpt._jobs[-1].future.exception()  # let the drain fail
+    ckpt._jobs.pending[-1].future.exception()  # let the drain fail
     with pytest.raises(dcpstore.DrainError):
         ckpt.save(5, _state(5))
     ckpt.close()
@@ -255,7 +258,7 @@ def test_load_from_the_local_tier_does_not_touch_the_root(
             # an explicit step held locally: the root is not contacted at all, not even
             # set up (no client library imported for it)
             assert again.load(out, step=1) == 1
-            assert _CountingBackend.calls == [] and again._resolved_root is None
+            assert _CountingBackend.calls == [] and not again._root.is_resolved
             assert again.last_load["where"] == "local" and again.last_load["step"] == 1
             assert_state_equal(out, _state(1))
             # the newest step: the root is listed once (the step directories after its
@@ -380,13 +383,13 @@ def _rank_tiered(rank: int, world_size: int, remote: str, local: str, other: str
     full = torch.arange(64, dtype=torch.float32).reshape(16, 4)
     state = {"d": distribute_tensor(full.clone(), mesh, [Shard(0)]), "n": 1}
     seen: list[str] = []
-    real = ckpt_mod.load
+    real = dcpstore.training.loading.load
 
     def spy(st: Any, uri: Any, **kw: Any) -> None:
         seen.append(str(uri))
         real(st, uri, **kw)
 
-    ckpt_mod.load = spy  # type: ignore[assignment]
+    dcpstore.training.loading.load = spy  # type: ignore[assignment]
     ckpt = dcpstore.Checkpointer(remote, local_tier=local, async_mode="thread", keep_last=1,
                                  keep_last_local=1, **options)
     ckpt.save(1, state)
@@ -469,7 +472,7 @@ def _four_quick_saves(ckpt: dcpstore.Checkpointer, remote: Path, state: Any) -> 
     assert _SlowRemote.entered.wait(60)  # drain 1 decided and is uploading
     for step in (2, 3, 4):
         ckpt.save(step, state(step))  # latest wins: never waits for a drain
-    ckpt._runner.join()  # the writes (async modes) are committed locally
+    ckpt._jobs.writes.join()  # the writes (async modes) are committed locally
     assert _remote_untorn(remote) == []
     _SlowRemote.gate.set()
     ckpt.wait()
@@ -559,8 +562,8 @@ def test_freed_heap_is_released_after_each_background_job(
     # the other part of the RSS growth: concurrent save and drain threads get their own
     # malloc arenas, whose freed blocks stay resident until trimmed
     calls: list[str] = []
-    real = ckpt_mod.release_freed_heap
-    monkeypatch.setattr(ckpt_mod, "release_freed_heap",
+    real = dcpstore.training.background.release_freed_heap
+    monkeypatch.setattr(dcpstore.training.background, "release_freed_heap",
                         lambda: (calls.append(threading.current_thread().name), real()))
     ckpt = dcpstore.Checkpointer(str(tmp_path / "remote"), local_tier=str(tmp_path / "l"),
                                  async_mode="thread", drain_policy="every")
@@ -626,7 +629,7 @@ def _arm(point: str, outdir: str, delay: float) -> None:
     def in_drain() -> bool:
         return threading.current_thread().name.startswith("dcpstore-ckpt")
 
-    real_copy = ckpt_mod.copy_rank_files
+    real_copy = dcpstore.training.drain.copy_rank_files
     real_upload = Backend.open_upload
     real_put = Backend.put
 
@@ -661,7 +664,7 @@ def _arm(point: str, outdir: str, delay: float) -> None:
         if in_drain() and point == "after_metadata" and key == layout.METADATA_KEY:
             _die(point, outdir)
 
-    ckpt_mod.copy_rank_files = copy  # type: ignore[assignment]
+    dcpstore.training.drain.copy_rank_files = copy  # type: ignore[assignment]
     Backend.open_upload = open_upload  # type: ignore[method-assign]
     Backend.put = put  # type: ignore[method-assign]
 

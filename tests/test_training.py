@@ -203,7 +203,8 @@ def test_checkpointer_splits_writer_reader_and_backend_options(
     monkeypatch.setenv("DCPSTORE_FILE_FILES_PER_RANK", "4")  # not a backend option: ignored
     ckpt = dcpstore.Checkpointer(str(tmp_path), files_per_rank=2, verify=True,
                                  max_concurrency=2, fsync=False)
-    assert ckpt._root.options.max_concurrency == 2 and ckpt._root.options.fsync is False
+    root_options = ckpt._root.backend.options
+    assert root_options.max_concurrency == 2 and root_options.fsync is False
     state = {"a": torch.randn(64), "b": torch.randn(64), "c": torch.randn(8)}
     ckpt.save(1, state)
     assert len(list((tmp_path / "step-000000001").glob("*.distcp"))) == 2

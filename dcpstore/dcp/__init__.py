@@ -9,3 +9,7 @@ streaming, the integrity :mod:`~dcpstore.dcp.manifest`, the commit protocol, inc
 :mod:`~dcpstore.dcp.layout` (object names), :mod:`~dcpstore.dcp.safe_pickle` and
 :mod:`~dcpstore.dcp.dist` (collective helpers). Depends on :mod:`dcpstore.storage` only.
 """
+
+from dcpstore._compat import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)

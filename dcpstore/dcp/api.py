@@ -17,7 +17,7 @@ from dcpstore.dcp.dist import is_distributed, single_process_quiet, unwrap
 from dcpstore.dcp.reader import Reader
 from dcpstore.dcp.writer import Writer
 from dcpstore.errors import CheckpointMismatchError
-from dcpstore.storage.resolve import open_backend, resolve
+from dcpstore.storage.resolve import Resolved, Role, open_backend, resolve
 
 __all__ = ["get_reader", "get_writer", "load", "open_backend", "save"]
 
@@ -26,12 +26,15 @@ logger = logging.getLogger(__name__)
 URI = str | os.PathLike[str]
 
 
-def get_writer(uri: URI, *, backend: str | None = None, **options: Any) -> Writer:
+def get_writer(uri: URI | Resolved, *, backend: str | None = None,
+               **options: Any) -> Writer:
     """A DCP ``StorageWriter`` that saves to ``uri``.
 
     Args:
         uri: Checkpoint location: a local path, ``file://``, ``s3://``, ``gs://``,
-            ``msc://`` or any scheme a plugin registers.
+            ``az://``, ``msc://`` or any scheme a plugin registers; or a URI already
+            resolved by :func:`dcpstore.storage.resolve.resolve` (with ``role="writer"``;
+            then no other options), so a caller that resolved it does not again.
         backend: Route through this backend regardless of the scheme.
         **options: :class:`~dcpstore.WriterOptions` fields (``overwrite``,
             ``files_per_rank``, ...), the backend's options, and ``_extensions`` (DCP
@@ -41,25 +44,36 @@ def get_writer(uri: URI, *, backend: str | None = None, **options: Any) -> Write
         >>> dcp.save(state_dict, storage_writer=dcpstore.get_writer("s3://b/run/step-1"))
     """
     extensions = options.pop("_extensions", None)
-    resolved = resolve(uri, backend=backend, role="writer", **options)
+    resolved = _resolved(uri, backend, "writer", options)
     return Writer(resolved.open_backend(), resolved.writer(), extensions=extensions,
                   rebind=resolved.rebind)
 
 
-def get_reader(uri: URI, *, backend: str | None = None, **options: Any) -> Reader:
+def get_reader(uri: URI | Resolved, *, backend: str | None = None,
+               **options: Any) -> Reader:
     """A DCP ``StorageReader`` that loads from ``uri``.
 
     Args:
-        uri: Checkpoint location (see :func:`get_writer`).
+        uri: Checkpoint location, or a resolved one (see :func:`get_writer`).
         backend: Route through this backend regardless of the scheme.
         **options: :class:`~dcpstore.ReaderOptions` fields (``verify``,
             ``coalesce_gap``, ``allow_pickle``, ...), the backend's options, and
             ``_extension_registry``.
     """
     registry = options.pop("_extension_registry", None)
-    resolved = resolve(uri, backend=backend, role="reader", **options)
+    resolved = _resolved(uri, backend, "reader", options)
     return Reader(resolved.open_backend(), resolved.reader(), extension_registry=registry,
                   rebind=resolved.rebind)
+
+
+def _resolved(uri: URI | Resolved, backend: str | None, role: Role,
+              options: dict[str, Any]) -> Resolved:
+    if not isinstance(uri, Resolved):
+        return resolve(uri, backend=backend, role=role, **options)
+    if backend is not None or options:
+        raise TypeError("options go to resolve() when the URI is given resolved; got "
+                        f"{', '.join(sorted(options)) or 'backend='}")
+    return uri
 
 
 class CheckedLoadPlanner(DefaultLoadPlanner):
@@ -169,7 +183,7 @@ def _stager_for(options: Any) -> Any:
 
 def load(
     state_dict: dict[str, Any],
-    uri: URI,
+    uri: URI | Resolved,
     *,
     process_group: Any = None,
     planner: LoadPlanner | None = None,
@@ -180,7 +194,7 @@ def load(
 
     Args:
         state_dict: Destination (its tensors/DTensors decide what each rank reads).
-        uri: Checkpoint location.
+        uri: Checkpoint location, or one already resolved (see :func:`get_writer`).
         process_group: Process group for the collectives.
         planner: A custom ``LoadPlanner`` (default: DCP's, with key/shape checks).
         backend: Route through this backend regardless of the scheme.

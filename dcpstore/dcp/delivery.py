@@ -15,6 +15,7 @@ bounded by the ranges in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import logging
@@ -32,7 +33,12 @@ from dcpstore.dcp.checksum import block_crcs, crc32c
 from dcpstore.dcp.codec import ViewFile, decode_tensor
 from dcpstore.dcp.manifest import Manifest
 from dcpstore.dcp.read_plan import ChunkIndex, CoalescedRange, ItemRead
-from dcpstore.errors import DcpstoreError, IntegrityError, UnsafeCheckpointError
+from dcpstore.errors import (
+    DcpstoreError,
+    IntegrityError,
+    ObjectNotFoundError,
+    UnsafeCheckpointError,
+)
 from dcpstore.storage.backend import Backend, ReadRange, uninitialized_buffer
 
 __all__ = ["Delivery", "LazyLayouts", "fetch_and_deliver"]
@@ -43,6 +49,7 @@ logger = logging.getLogger(__name__)
 Layout = tuple[list[memoryview], list[Callable[[], None]]]
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Delivery:
     """Lays out the buffers of a load's ranges and delivers their items.
 
@@ -55,17 +62,15 @@ class Delivery:
         allow_pickle: Load non-tensor items with full pickle.
     """
 
-    def __init__(self, uri: str, planner: LoadPlanner, manifest: Manifest | None,
-                 chunks: ChunkIndex, transforms: _StorageReaderTransforms, *,
-                 allow_pickle: bool = False) -> None:
-        self.uri = uri
-        self.planner = planner
-        self.manifest = manifest
-        self.chunks = chunks
-        self.transforms = transforms
-        self.allow_pickle = allow_pickle
-        #: Tensor items read straight into their destination so far.
-        self.items_direct = 0
+    uri: str
+    planner: LoadPlanner
+    manifest: Manifest | None
+    chunks: ChunkIndex
+    transforms: _StorageReaderTransforms
+    _: dataclasses.KW_ONLY
+    allow_pickle: bool = False
+    #: Tensor items read straight into their destination so far.
+    items_direct: int = dataclasses.field(default=0, init=False)
 
     def layout(self, rng: CoalescedRange) -> Layout:
         """Where the bytes of one coalesced range go, and what to do once they are in.
@@ -369,7 +374,8 @@ def damaged_file_error(backend: Backend, exc: OSError, ranges: Sequence[Coalesce
                        ) -> IntegrityError | None:
     """After a failed fetch, name the data file that is missing or too short and the
     items lost with it; ``None`` when that is not why (e.g. a dropped connection)."""
-    if isinstance(exc, (DcpstoreError, ConnectionError, TimeoutError, PermissionError)):
+    if isinstance(exc, (ConnectionError, TimeoutError, PermissionError)) or (
+            isinstance(exc, DcpstoreError) and not isinstance(exc, ObjectNotFoundError)):
         return None
     needed: dict[str, int] = {}
     for r in ranges:

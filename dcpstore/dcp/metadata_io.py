@@ -18,14 +18,10 @@ One implementation for everything that opens a checkpoint: the DCP
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING, Any
 
 from dcpstore.dcp import layout
 from dcpstore.dcp.manifest import SAVE_ID_PREFIX, Manifest
-from dcpstore.dcp.safe_pickle import safe_loads
 from dcpstore.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -35,6 +31,9 @@ from dcpstore.errors import (
 )
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.uri import is_reference, validate_storage_path
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "check_references",
@@ -61,6 +60,12 @@ def parse_metadata(raw: bytes, *, source: str, trusted: bool = False) -> Metadat
         UnsafeKeyError: A storage entry points outside the checkpoint root.
         IntegrityError: It is damaged or is not DCP metadata.
     """
+    # torch here, not at the top: listing checkpoints (``dcpstore ls``) does not import it
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dcpstore.dcp.safe_pickle import safe_loads
+
     try:
         metadata = safe_loads(raw, source=source, trusted=trusted)
     except UnsafeCheckpointError:

@@ -28,9 +28,7 @@ together; nothing waits for a message that will never come.
 from __future__ import annotations
 
 import bisect
-import builtins
 import dataclasses
-import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -42,10 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcpstore import errors as _errors
 from dcpstore.dcp.delivery import Delivery, damaged_file_error
 from dcpstore.dcp.read_plan import CoalescedRange, ItemRead
-from dcpstore.errors import DcpstoreError
+from dcpstore.errors import decode_error, encode_error
 from dcpstore.storage.backend import Backend, ReadRange, uninitialized_buffer
 
 __all__ = [
@@ -168,17 +165,11 @@ def share_context(reader: Any) -> ShareContext | None:
 
 
 def _error_payload(exc: BaseException) -> bytes:
-    return json.dumps({"type": type(exc).__name__, "message": str(exc)}).encode()
+    return encode_error(exc)
 
 
 def _error_from_payload(raw: bytes, coordinator: int) -> BaseException:
-    doc = json.loads(raw)
-    name, message = str(doc.get("type", "")), str(doc.get("message", ""))
-    cls = getattr(_errors, name, None) or getattr(builtins, name, None)
-    note = f" (read by rank {coordinator}, the coordinator)"
-    if isinstance(cls, type) and issubclass(cls, (DcpstoreError, OSError)):
-        return cls(message + note)
-    return DcpstoreError(f"{name}: {message}{note}")
+    return decode_error(raw, f" (read by rank {coordinator}, the coordinator)")
 
 
 def broadcast_blobs(ctx: ShareContext, produce: Callable[[], Sequence[bytes | None]],

@@ -28,35 +28,17 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpstore.dcp import layout
+from dcpstore.dcp import layout, metadata_io, read_share
+from dcpstore.dcp.bound import BoundToBackend
 from dcpstore.dcp.checksum import crc32c
 from dcpstore.dcp.delivery import Delivery, fetch_and_deliver
 from dcpstore.dcp.manifest import SAVE_ID_PREFIX, Manifest
-from dcpstore.dcp.metadata_io import (
-    check_references,
-    load_metadata,
-    parse_metadata,
-    read_manifest,
-    references_in,
-)
 from dcpstore.dcp.read_plan import ChunkIndex, ItemRead, chunk_index, coalesce, plan_reads
-from dcpstore.dcp.read_share import (
-    RankShare,
-    ShareContext,
-    UnitKey,
-    _dcp_wrapper,
-    broadcast_blobs,
-    exchange,
-    plan_sharing,
-    share_context,
-    unit_key,
-)
 from dcpstore.dcp.references import root_key, run_root
 from dcpstore.errors import CheckpointNotFoundError, DcpstoreError, IntegrityError
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.local import LocalBackend
 from dcpstore.storage.options import ReaderOptions
-from dcpstore.storage.resolve import open_backend
 
 __all__ = ["RankReads", "Reader", "ReaderOptions"]
 
@@ -75,10 +57,10 @@ class RankReads:
     """
 
     manifest: Manifest | None
-    share: RankShare | None = None
+    share: read_share.RankShare | None = None
 
 
-class Reader(StorageReader):
+class Reader(BoundToBackend, StorageReader):
     """DCP storage reader over a :class:`~dcpstore.Backend`. Create with
     :func:`dcpstore.get_reader`; pass as ``storage_reader=`` to ``dcp.load``.
 
@@ -116,18 +98,12 @@ class Reader(StorageReader):
             backend with the same options (set by :func:`dcpstore.get_reader`).
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        options: ReaderOptions | None = None,
-        *,
-        extension_registry: Any = None,
-        rebind: Any = None,
-    ) -> None:
-        super().__init__()
-        self.backend = backend
+    _bound_as = "this Reader loads from"
+
+    def __init__(self, backend: Backend, options: ReaderOptions | None = None, *,
+                 extension_registry: Any = None, rebind: Any = None) -> None:
+        super().__init__(backend, rebind)
         self.options = options or ReaderOptions()
-        self._rebind = rebind
         self._transforms = _StorageReaderTransforms(extension_registry)
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._chunks: ChunkIndex = {}
@@ -162,37 +138,18 @@ class Reader(StorageReader):
         #: Why the last ``read_metadata`` failed (DCP wraps it in an AssertionError).
         self.metadata_error: BaseException | None = None
         #: The ranks this load shares reads with (``None``: it reads alone).
-        self._share: ShareContext | None = None
+        self._share: read_share.ShareContext | None = None
         # run root and this checkpoint's name in it, when it references sibling steps
         self._run_root: tuple[Backend, str] | None = None
 
     def __repr__(self) -> str:
         return f"Reader({self.backend.uri!r})"
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The URI this reader loads from."""
-        return self.backend.uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        """Whether ``checkpoint_id`` is a URI some installed backend serves."""
-        try:
-            open_backend(str(checkpoint_id))
-        except Exception:
-            return False
-        return True
-
     # -- DCP protocol ------------------------------------------------------------------
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Start a new load, optionally from another location (same backend options)."""
-        if checkpoint_id is not None and str(checkpoint_id) != self.backend.uri:
-            if self._rebind is None:
-                raise DcpstoreError(
-                    f"this Reader loads from {self.backend.uri}; create one for {checkpoint_id}"
-                )
-            self.backend = self._rebind(str(checkpoint_id))
+        self._move_to(checkpoint_id)
         self.storage_data = {}
         self.manifest = None
         self._manifest_deferred = False
@@ -240,13 +197,13 @@ class Reader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Give each rank the manifest records of its reads and, with sharing, give each
         byte range several ranks need to one of them (read once, share)."""
-        shares: list[RankShare | None] = [None] * len(plans)
+        shares: list[read_share.RankShare | None] = [None] * len(plans)
         if self._share is not None:
             chunks = self._chunk_index(p.items for p in plans)
             requests = [plan_reads(p.items, self.storage_data, self.manifest, chunks,
                                    uri=self.backend.uri) for p in plans]
             del chunks
-            shares = list(plan_sharing(requests))
+            shares = list(read_share.plan_sharing(requests))
             del requests
             first = shares[0]
             if first is not None and first.shared_bytes:
@@ -276,13 +233,13 @@ class Reader(StorageReader):
         self._chunks = self._chunk_index([plan.items])
         requests = plan_reads(plan.items, self.storage_data, manifest, self._chunks,
                               uri=self.backend.uri)
-        shared: dict[UnitKey, list[ItemRead]] = {}
+        shared: dict[read_share.UnitKey, list[ItemRead]] = {}
         if share is not None:
             keys = {u.key for window in share.windows for u in window}
             for request in requests:
-                if unit_key(request) in keys:
-                    shared.setdefault(unit_key(request), []).append(request)
-        private = [r for r in requests if unit_key(r) not in shared]
+                if read_share.unit_key(request) in keys:
+                    shared.setdefault(read_share.unit_key(request), []).append(request)
+        private = [r for r in requests if read_share.unit_key(r) not in shared]
         ranges = coalesce(private, self.options.coalesce_gap, self.options.max_range)
         self.bytes_needed = sum(r.needed for r in requests)
         self.bytes_read = sum(r.length for r in ranges)
@@ -300,9 +257,9 @@ class Reader(StorageReader):
         try:
             if share is not None and self._share is not None:
                 # shared first: the other ranks wait for what this one fetches for them
-                stats = exchange(self._share, share, source, shared, delivery,
-                                 gap=self.options.coalesce_gap,
-                                 max_range=self.options.max_range, key_of=to_key)
+                stats = read_share.exchange(self._share, share, source, shared, delivery,
+                                            gap=self.options.coalesce_gap,
+                                            max_range=self.options.max_range, key_of=to_key)
                 self.bytes_read += stats.bytes_fetched
                 self.requests += stats.requests
                 self.bytes_received, self.bytes_sent = stats.bytes_received, stats.bytes_sent
@@ -334,9 +291,9 @@ class Reader(StorageReader):
         if self._share is not None:
             metadata, raw, self.manifest = self._shared_metadata(self._share)
         else:
-            metadata, raw = load_metadata(self.backend,
-                                          trusted=self.options.allow_unsafe_metadata,
-                                          diagnose_missing=True)
+            metadata, raw = metadata_io.load_metadata(self.backend,
+                                                      trusted=self.options.allow_unsafe_metadata,
+                                                      diagnose_missing=True)
             if not self._manifest_deferred:
                 self.manifest = self._read_manifest(metadata)
         source = f"{self.backend.uri}/.metadata"
@@ -350,35 +307,35 @@ class Reader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _share_context(self) -> ShareContext | None:
+    def _share_context(self) -> read_share.ShareContext | None:
         """The ranks this load shares reads with, per ``broadcast_reads``."""
         wanted = self.options.broadcast_reads
         if wanted is False or (wanted is None and isinstance(self.backend, LocalBackend)):
             return None
-        return share_context(self)
+        return read_share.share_context(self)
 
-    def _shared_metadata(self, share: ShareContext
+    def _shared_metadata(self, share: read_share.ShareContext
                          ) -> tuple[Metadata, bytes, Manifest | None]:
         """``.metadata`` and the manifest, read by the coordinator alone and broadcast."""
         mine: list[Any] = []  # the coordinator's parsed copies
 
         def read() -> list[bytes | None]:
-            metadata, raw = load_metadata(self.backend,
-                                          trusted=self.options.allow_unsafe_metadata,
-                                          diagnose_missing=True)
+            metadata, raw = metadata_io.load_metadata(self.backend,
+                                                      trusted=self.options.allow_unsafe_metadata,
+                                                      diagnose_missing=True)
             manifest = self._read_manifest(metadata)
             mine.extend((metadata, raw, manifest))
             # the other ranks get the item records of their reads in their load plans
             return [raw, None if manifest is None else manifest.header().to_bytes()]
 
-        raw, raw_manifest = broadcast_blobs(share, read, 2)
+        raw, raw_manifest = read_share.broadcast_blobs(share, read, 2)
         if mine:
             self._manifest_deferred = False
             return mine[0], mine[1], mine[2]
         assert raw is not None
         source = f"{self.backend.uri}/{layout.METADATA_KEY}"
-        metadata = parse_metadata(raw, source=source,
-                                  trusted=self.options.allow_unsafe_metadata)
+        metadata = metadata_io.parse_metadata(raw, source=source,
+                                              trusted=self.options.allow_unsafe_metadata)
         manifest = None
         if raw_manifest is not None:
             save_id = str(layout.save_id_of_metadata(metadata, source=source))
@@ -395,21 +352,22 @@ class Reader(StorageReader):
     def _bind_references(self, metadata: Metadata) -> None:
         """Admit references into sibling steps (recorded in the manifest) and open the
         run root they are read through."""
-        if self._run_root is not None or not references_in(metadata):
+        if self._run_root is not None or not metadata_io.references_in(metadata):
             return
         manifest = self.manifest or self._manifest_header
         if manifest is None:  # verify=False: still only the references the save made
             save_id = layout.save_id_of_metadata(metadata,
                                                  source=f"{self.backend.uri}/.metadata")
-            manifest = read_manifest(self.backend, save_id, required=True,
-                                     hint=" (its references cannot be checked without it)")
-        check_references(metadata, manifest, source=f"{self.backend.uri}/.metadata")
+            manifest = metadata_io.read_manifest(
+                self.backend, save_id, required=True,
+                hint=" (its references cannot be checked without it)")
+        metadata_io.check_references(metadata, manifest, source=f"{self.backend.uri}/.metadata")
         self._run_root = run_root(self.backend)
 
     def _is_coordinator(self) -> bool:
         """Whether this rank reads the whole manifest: DCP's coordinator, or a reader
         used outside a collective ``dcp.load``."""
-        wrapper = _dcp_wrapper(self)
+        wrapper = read_share._dcp_wrapper(self)
         return wrapper is None or not wrapper.use_dist or bool(wrapper.is_coordinator)
 
     def _chunk_index(self, plans: Any) -> ChunkIndex:
@@ -449,5 +407,5 @@ class Reader(StorageReader):
         if not self.options.verify:
             return None
         save_id = layout.save_id_of_metadata(metadata, source=f"{self.backend.uri}/.metadata")
-        return read_manifest(self.backend, save_id, required=True,
-                             hint=" (pass verify=False to load it unverified)")
+        return metadata_io.read_manifest(self.backend, save_id, required=True,
+                                         hint=" (pass verify=False to load it unverified)")

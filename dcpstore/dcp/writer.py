@@ -43,32 +43,18 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Buffer
 
+from dcpstore import errors
 from dcpstore._version import __version__
 from dcpstore.dcp import layout
+from dcpstore.dcp import references as refs
+from dcpstore.dcp.bound import BoundToBackend
 from dcpstore.dcp.checksum import crc32c, crc32c_combine
 from dcpstore.dcp.codec import encode_tensor
 from dcpstore.dcp.guard import LocalPlanSummary, check_global_plan, summarize_local_plan
 from dcpstore.dcp.manifest import FileRecord, Manifest, Payload
 from dcpstore.dcp.metadata_io import load_metadata, read_manifest
 from dcpstore.dcp.read_plan import chunk_index
-from dcpstore.dcp.references import (
-    INCREMENTAL_DIR,
-    mark_incremental,
-    read_pins,
-    reference_path,
-    referenced_keys,
-    remove_pin,
-    root_key,
-    run_root,
-    write_pin,
-)
 from dcpstore.dcp.safe_pickle import safe_loads
-from dcpstore.errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    DcpstoreError,
-    IntegrityError,
-)
 from dcpstore.storage.backend import Backend, Upload
 from dcpstore.storage.options import AUTO_MAX_FILES, WriterOptions
 from dcpstore.storage.resolve import open_backend
@@ -411,7 +397,7 @@ def _prepare_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class Writer(StorageWriter):
+class Writer(BoundToBackend, StorageWriter):
     """DCP storage writer over a :class:`~dcpstore.Backend`. Create with
     :func:`dcpstore.get_writer`; pass as ``storage_writer=`` to ``dcp.save``.
 
@@ -424,22 +410,16 @@ class Writer(StorageWriter):
             backend with the same options (set by :func:`dcpstore.get_writer`).
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        options: WriterOptions | None = None,
-        *,
-        extensions: Sequence[Any] | None = None,
-        rebind: Any = None,
-    ) -> None:
-        super().__init__()
-        self.backend = backend
+    _bound_as = "this Writer saves to"
+
+    def __init__(self, backend: Backend, options: WriterOptions | None = None, *,
+                 extensions: Sequence[Any] | None = None, rebind: Any = None) -> None:
+        super().__init__(backend, rebind)
         self.options = options or WriterOptions()
         if self.options.files_per_rank is not None and self.options.files_per_rank < 1:
             raise ValueError(f"files_per_rank must be >= 1 or None (automatic), got "
                              f"{self.options.files_per_rank}")
         self.extensions = list(extensions) if extensions else []
-        self._rebind = rebind
         self.is_coordinator = True
         self.rank = 0
         self.save_id = layout.new_save_id()
@@ -458,28 +438,16 @@ class Writer(StorageWriter):
         return f"Writer({self.backend.uri!r}, overwrite={self.options.overwrite})"
 
     @property
-    def checkpoint_id(self) -> str:
-        """The URI this writer saves to."""
-        return self.backend.uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        try:
-            open_backend(str(checkpoint_id))
-        except Exception:
-            return False
-        return True
+    def commit_size(self) -> int | None:
+        """Size in bytes of the ``.metadata`` this save sent (coordinator; ``None`` until
+        its PUT was attempted)."""
+        return None if self._commit_bytes is None else len(self._commit_bytes)
 
     # -- DCP protocol ------------------------------------------------------------------
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Start a new save, optionally at another location (same backend options)."""
-        if checkpoint_id is not None and str(checkpoint_id) != self.backend.uri:
-            if self._rebind is None:
-                raise DcpstoreError(
-                    f"this Writer saves to {self.backend.uri}; create one for {checkpoint_id}"
-                )
-            self.backend = self._rebind(str(checkpoint_id))
+        self._move_to(checkpoint_id)
         self.save_id = layout.new_save_id()
         self._previous = None
         self._commit_bytes = None
@@ -496,7 +464,7 @@ class Writer(StorageWriter):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = int(rank)
         if kwargs.get("use_collectives", True) is False:
-            raise DcpstoreError(
+            raise errors.DcpstoreError(
                 "dcpstore needs a coordinated save (use_collectives=True): without one no "
                 "rank can know that every rank finished, so nothing could be committed "
                 "atomically"
@@ -522,7 +490,7 @@ class Writer(StorageWriter):
         self._release_base()
         if self.options.base:
             if not all(p.usable for p in plans):
-                raise DcpstoreError(
+                raise errors.DcpstoreError(
                     f"{self.backend.uri}: an incremental save (base={self.options.base}) "
                     "cannot reuse a cached save plan: which bytes are references changes "
                     "with every base. Use a planner without enable_plan_caching for "
@@ -566,14 +534,14 @@ class Writer(StorageWriter):
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="dcpstore-file") as pool:
                 futures = [pool.submit(write, n, b) for n, b in zip(names, buckets, strict=True)]
-                errors = []
+                failures = []
                 for pending in futures:
                     try:
                         results += pending.result()
                     except BaseException as exc:
-                        errors.append(exc)
-                if errors:
-                    raise errors[0]
+                        failures.append(exc)
+                if failures:
+                    raise failures[0]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -615,7 +583,7 @@ class Writer(StorageWriter):
         took from its cache, its rank with the save id the coordinator just sent."""
         assignment = plan.storage_data
         if not isinstance(assignment, _Assignment):
-            raise DcpstoreError(
+            raise errors.DcpstoreError(
                 "the global plan carries no dcpstore assignment; was prepare_global_plan "
                 "skipped, or the plan made for another storage writer?"
             )
@@ -640,8 +608,8 @@ class Writer(StorageWriter):
                 )
                 if item.reference:
                     if self._base is None or item.relative_path not in self._base.records:
-                        raise DcpstoreError(f"rank results reference {item.relative_path}, "
-                                            "which is not a file of this save's base")
+                        raise errors.DcpstoreError(f"rank results reference {item.relative_path}, "
+                                                   "which is not a file of this save's base")
                     references[item.relative_path] = self._base.records[item.relative_path]
                     referenced += item.length
                 if item.file is not None:
@@ -750,7 +718,7 @@ class Writer(StorageWriter):
         except FileNotFoundError:
             return
         if not self.options.overwrite:
-            raise CheckpointExistsError(
+            raise errors.CheckpointExistsError(
                 f"Checkpoint already exists at {self.backend.uri} and overwrite=False; pass "
                 "overwrite=True to replace it (atomically), or save to a new location"
             )
@@ -765,28 +733,28 @@ class Writer(StorageWriter):
     def _open_base(self, uri: str) -> _Base | None:
         """Coordinator: pin and read the base of an incremental save (see
         :mod:`dcpstore.dcp.references` for the order of the steps and why)."""
-        root, name = run_root(self.backend)
+        root, name = refs.run_root(self.backend)
         base_backend = self._rebind(uri) if self._rebind is not None else open_backend(uri)
         base = _Base(root, name, self.save_id, {}, {})
         try:
-            base_root, base_name = run_root(base_backend)
+            base_root, base_name = refs.run_root(base_backend)
             if type(base_root) is not type(root) or base_root.location != root.location:
-                raise DcpstoreError(
+                raise errors.DcpstoreError(
                     f"the base {base_backend.uri} of an incremental save to "
                     f"{self.backend.uri} must be a sibling under the same run root "
                     f"({root.uri}); references cannot leave the run root"
                 )
             if base_name == name:
-                raise DcpstoreError(f"the base of an incremental save cannot be its own "
-                                    f"target ({self.backend.uri})")
-            mark_incremental(root)
-            write_pin(root, save_id=self.save_id, step=name, steps=[base_name])
+                raise errors.DcpstoreError(f"the base of an incremental save cannot be its own "
+                                           f"target ({self.backend.uri})")
+            refs.mark_incremental(root)
+            refs.write_pin(root, save_id=self.save_id, step=name, steps=[base_name])
             self._base = base  # from here on, failures remove the pin
             try:
                 metadata, raw = load_metadata(base_backend)
-            except CheckpointNotFoundError:
+            except errors.CheckpointNotFoundError:
                 if self.options.base_required:
-                    raise CheckpointNotFoundError(
+                    raise errors.CheckpointNotFoundError(
                         f"the base {base_backend.uri} of the incremental save to "
                         f"{self.backend.uri} is not a committed checkpoint") from None
                 logger.warning("base %s is gone; saving %s in full", base_backend.uri,
@@ -802,7 +770,7 @@ class Writer(StorageWriter):
             manifest.check_metadata(raw, source=source)
             holders = {validate_reference(p)[0] for p in manifest.references}
             if holders:
-                write_pin(root, save_id=self.save_id, step=name, steps=[base_name, *holders])
+                refs.write_pin(root, save_id=self.save_id, step=name, steps=[base_name, *holders])
             try:  # unchanged since it was pinned, so a retention run cannot have missed it
                 still = base_backend.get(layout.METADATA_KEY) == raw
             except FileNotFoundError:
@@ -822,7 +790,7 @@ class Writer(StorageWriter):
                 crc = manifest.item_crc(info.relative_path, info.offset, info.length)
                 if crc is None:
                     continue
-                path = reference_path(base_name, info.relative_path)
+                path = refs.reference_path(base_name, info.relative_path)
                 if validate_reference(path)[0] == name:
                     continue  # bytes in this very directory: an overwrite may delete them
                 base.records[path] = record
@@ -844,20 +812,20 @@ class Writer(StorageWriter):
         """Remove this save's pin and forget its base."""
         base, self._base = self._base, None
         if base is not None:
-            remove_pin(base.root, base.save_id)
+            refs.remove_pin(base.root, base.save_id)
             base.root.close()
 
     def _check_referenced(self, references: dict[str, FileRecord]) -> None:
         """Before the commit: every referenced file is still there, whole."""
         assert self._base is not None
         for path, record in sorted(references.items()):
-            key = root_key(self._base.name, path)
+            key = refs.root_key(self._base.name, path)
             try:
                 size = self._base.root.stat(key).size
             except FileNotFoundError:
                 size = -1
             if size != record.size:
-                raise IntegrityError(
+                raise errors.IntegrityError(
                     f"{self._base.root.uri}/{key}, which this incremental save references, "
                     f"is {'gone' if size < 0 else f'{size} bytes, not {record.size}'}; "
                     "nothing was committed. Save again (in full, or with another base)"
@@ -886,21 +854,21 @@ class Writer(StorageWriter):
         that held incremental saves, files a committed sibling references, or that a
         save in progress pinned, stay (``dcpstore gc`` follows the same references)."""
         try:
-            root, name = run_root(self.backend)
-        except DcpstoreError:
+            root, name = refs.run_root(self.backend)
+        except errors.DcpstoreError:
             return keys  # at the top of its store: no siblings
         try:
             # pins first, then committed steps (see dcpstore.dcp.references)
-            pins = read_pins(root)
+            pins = refs.read_pins(root)
             dirs = root.list_dirs()
-            if INCREMENTAL_DIR not in dirs:
+            if refs.INCREMENTAL_DIR not in dirs:
                 return keys  # no step here references another
             if any(name in pin.steps for pin in pins):
                 needed = None
             else:
                 siblings = [d for d in dirs if d != name and not d.startswith(".")
                             and root.exists(f"{d}/{layout.METADATA_KEY}")]
-                needed = referenced_keys(root, siblings)
+                needed = refs.referenced_keys(root, siblings)
         except Exception as exc:
             logger.warning("cannot tell which files of the overwritten %s other steps "
                            "reference (%s); keeping its data files for `dcpstore gc`",
@@ -990,7 +958,7 @@ class Writer(StorageWriter):
             upload.abort()
             raise
         if info.size != stream.position:
-            raise DcpstoreError(
+            raise errors.DcpstoreError(
                 f"{name}: backend stored {info.size} bytes, {stream.position} were written"
             )
         elapsed = time.perf_counter() - started

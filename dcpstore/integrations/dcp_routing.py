@@ -29,9 +29,12 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcpstore.errors import DcpstoreError, InvalidURIError
+
+if TYPE_CHECKING:
+    from dcpstore.storage.resolve import Resolved, Role
 
 __all__ = [
     "ENV_VAR",
@@ -131,6 +134,23 @@ def serves(checkpoint_id: str | os.PathLike[str]) -> bool:
     return True
 
 
+def _resolve(checkpoint_id: str | os.PathLike[str], role: Role) -> Resolved | None:
+    """``checkpoint_id`` resolved once (routing passes the result on), or ``None`` where
+    no dcpstore backend serves it.
+
+    Raises:
+        MangledURIError: ``checkpoint_id`` is a mangled URI (see :func:`check_uri`).
+    """
+    from dcpstore.storage.resolve import resolve
+
+    check_uri(checkpoint_id)
+    try:
+        return resolve(checkpoint_id, role=role)
+    except DcpstoreError as exc:
+        logger.debug("dcpstore does not serve %r (%s); leaving it to torch", checkpoint_id, exc)
+        return None
+
+
 def _routed_storage_setup(
     storage: Any, checkpoint_id: Any, reader: bool = False
 ) -> Any:
@@ -141,11 +161,12 @@ def _routed_storage_setup(
         original = _storage_utils._storage_setup
     if storage or not checkpoint_id or not isinstance(checkpoint_id, str | os.PathLike):
         return original(storage, checkpoint_id, reader=reader)
-    if not serves(checkpoint_id):
+    resolved = _resolve(checkpoint_id, "reader" if reader else "writer")
+    if resolved is None:
         return original(storage, checkpoint_id, reader=reader)
     from dcpstore.dcp.api import get_reader, get_writer
 
-    chosen = get_reader(checkpoint_id) if reader else get_writer(checkpoint_id)
+    chosen = get_reader(resolved) if reader else get_writer(resolved)
     logger.debug("DCP routing: %s for %s", type(chosen).__name__, checkpoint_id)
     return chosen
 

@@ -13,3 +13,7 @@ Lowest layer of dcpstore; it knows nothing of DCP. Modules:
   backend, resolved once;
 - :mod:`~dcpstore.storage.redact`: credentials kept out of logs and messages.
 """
+
+from dcpstore._compat import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)

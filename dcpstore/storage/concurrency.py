@@ -88,6 +88,24 @@ class ConcurrencyLimit:
         clock: Monotonic clock in seconds (a synthetic one in tests).
     """
 
+    # the algorithm's state (see _restart): in slow start; steady windows since the last
+    # probe; throughput before a probe; (limit, throughput) of the last window; seconds
+    # per byte when settled; throughput before latency cuts
+    _slow_start: bool
+    _steady_windows: int
+    _probing_from: float | None
+    _prev: tuple[int, float] | None
+    _settled_latency: float | None
+    _cut_from: float | None
+    # the window (see _new_window): its start, completed requests, their bytes and busy
+    # seconds, whether the limit was reached and whether a throttle already cut it
+    _w_start: float
+    _w_done: int
+    _w_bytes: int
+    _w_busy: float
+    _saturated: bool
+    _w_throttled: bool
+
     def __init__(
         self,
         ceiling: int,
@@ -130,20 +148,7 @@ class ConcurrencyLimit:
         self.highest = self._limit
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=KEEP_DECISIONS)
         self.counts: collections.Counter[str] = collections.Counter()
-        self._slow_start = adaptive
-        self._steady_windows = 0
-        self._probing_from: float | None = None  # throughput before a probe
-        self._prev: tuple[int, float] | None = None  # (limit, throughput) of last window
-        self._settled_latency: float | None = None  # seconds per byte when settled
-        self._cut_from: float | None = None  # throughput before latency cuts
-        # the window: its start, completed requests, their bytes and busy seconds,
-        # whether the limit was reached and whether a throttle already cut it
-        self._w_start = 0.0
-        self._w_done = 0
-        self._w_bytes = 0
-        self._w_busy = 0.0
-        self._saturated = False
-        self._w_throttled = False
+        self._restart(slow_start=adaptive)
         self._new_window()
 
     # -- slots -------------------------------------------------------------------------
@@ -214,13 +219,7 @@ class ConcurrencyLimit:
             self.throttles += 1
             if not self.adaptive or self._w_throttled:
                 return
-            self._w_throttled = True
-            self._slow_start = False
-            self._probing_from = None
-            self._prev = None
-            self._settled_latency = None
-            self._cut_from = None
-            self._steady_windows = 0
+            self._restart(slow_start=False)
             self._set(max(self.floor, self._limit // 2), "throttle", 0.0, self._clock())
             self._new_window()
             # answers to requests sent under the old limit arrive in this window: one cut
@@ -249,6 +248,15 @@ class ConcurrencyLimit:
                 f"floor={self.floor}, ceiling={self.ceiling}, adaptive={self.adaptive})")
 
     # -- the algorithm (called with the lock held) ---------------------------------------
+
+    def _restart(self, slow_start: bool) -> None:
+        """Forget what the windows so far taught (at the start, and after a throttle)."""
+        self._slow_start = slow_start
+        self._steady_windows = 0
+        self._probing_from = None
+        self._prev = None
+        self._settled_latency = None
+        self._cut_from = None
 
     def _new_window(self) -> None:
         self._w_start = self._clock()

@@ -58,9 +58,10 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dcpstore.errors import StoreError
+from dcpstore.errors import ConfigurationError, InvalidURIError, StoreError
 from dcpstore.storage.backend import BackendOptions, ObjectInfo
 from dcpstore.storage.clients import shared_clients
+from dcpstore.storage.uri import ParsedURI
 
 __all__ = [
     "MultipartStore",
@@ -185,7 +186,8 @@ class ObjectStore(abc.ABC):
         Idempotent."""
 
     @abc.abstractmethod
-    def map_error(self, exc: Exception, key: str | None) -> StoreError | None:
+    def map_error(self, exc: Exception,
+                  key: str | None) -> StoreError | ConfigurationError | None:
         """Translate an exception one of the methods raised, once.
 
         Decide from the SDK's status and error codes, never from the message text.
@@ -209,6 +211,23 @@ class ObjectStore(abc.ABC):
         """
 
     # -- optional hooks --------------------------------------------------------------
+
+    @classmethod
+    def location_for(cls, uri: ParsedURI) -> str:
+        """The root for a parsed URI: ``uri.location`` (``bucket/prefix``; the absolute
+        path of ``scheme:///abs/path``). A URI of a scheme the store does not serve is
+        refused; a store that serves any URI the feature flag routes to it (MSC)
+        overrides this, keeping what it needs of the scheme.
+
+        Raises:
+            InvalidURIError: The scheme is not one of :attr:`schemes`.
+        """
+        if cls.schemes and uri.scheme not in cls.schemes:
+            raise InvalidURIError(
+                f"backend {cls.name!r} cannot serve {uri.scheme}:// URIs (it serves "
+                f"{', '.join(s + '://' for s in cls.schemes)}); unset DCPSTORE_BACKEND or "
+                "pick another backend=")
+        return uri.location
 
     def connect(self) -> Any:
         """Make the SDK client (default: none). The framework calls it once, on first

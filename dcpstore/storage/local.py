@@ -1,10 +1,12 @@
-"""The local backend: POSIX files under a directory (the embedded default).
+"""The local backend: POSIX files under a directory (the embedded default), written on
+the plugin contract (:class:`LocalStore`, an :class:`~dcpstore.plugin.ObjectStore`).
 
-Data files are written straight to their final, per-save unique names (nothing
-references them until ``.metadata`` is committed). Small objects put with
-``atomic=True`` (``.metadata``) go to a temporary name, are ``fsync``-ed and renamed
-over the target, and the directory is ``fsync``-ed, so a crash leaves either the old
-``.metadata`` or the new one. ``fsync`` of files and directory is on by default.
+Data files are streamed straight to their final, per-save unique names
+(:meth:`LocalStore.open_stream`; nothing references them until ``.metadata`` is
+committed). Every :meth:`~LocalStore.put` is atomic: a temporary name, ``fsync``, a
+rename over the target and an ``fsync`` of the directory, so a crash leaves either the
+old object (``.metadata``) or the new one. ``fsync`` of files and directories is on by
+default.
 
 While a data file is written, the kernel is asked to start writing back every
 ``writeback`` bytes (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not
@@ -22,14 +24,31 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from typing_extensions import Buffer
 
-from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
+from dcpstore.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    ObjectNotFoundError,
+    StoreError,
+    StoreTimeoutError,
+)
+from dcpstore.storage.backend import BackendOptions, ObjectInfo, Upload
+from dcpstore.storage.contract import ObjectStore
+from dcpstore.storage.store_backend import StoreBackend
 
-__all__ = ["FileUpload", "LocalBackend", "LocalOptions", "read_file_into"]
+__all__ = [
+    "FileUpload",
+    "LocalBackend",
+    "LocalOptions",
+    "LocalStore",
+    "LocationIsAFileError",
+    "read_file_into",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -191,20 +210,27 @@ def read_file_into(path: str, offset: int, outs: Sequence[memoryview]) -> None:
         os.close(fd)
 
 
-class LocalBackend(Backend):
-    """Files under a local directory. URI forms: ``/abs/path``, ``rel/path``, ``file:///p``."""
+class LocationIsAFileError(StoreError, NotADirectoryError, ConfigurationError):
+    """The checkpoint location is a file, not a directory: a configuration error that
+    reads as ``NotADirectoryError`` (``errno.ENOTDIR``) too; never retried."""
 
-    Options = LocalOptions
-    name = "file"
-    schemes = ("file",)
+    default_errno = errno.ENOTDIR
+
+
+class LocalStore(ObjectStore):
+    """Files under a local directory, on the plugin contract.
+
+    ``location`` is an absolute directory (``/abs/path``, ``rel/path`` and
+    ``file:///abs/path`` all become one). Keys are ``/``-separated paths below it.
+    """
+
+    name: ClassVar[str] = "file"
+    schemes: ClassVar[tuple[str, ...]] = ("file",)
+    Options: ClassVar[type[BackendOptions]] = LocalOptions
     options: LocalOptions
 
-    @property
-    def uri(self) -> str:
-        return self.location
-
     def _path(self, key: str) -> str:
-        return os.path.join(self.location, *key.split("/"))
+        return os.path.join(self.location, *key.split("/")) if key else self.location
 
     def _fsync_dir(self, path: str) -> None:
         if not self.options.fsync:
@@ -215,77 +241,58 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    # -- primitives --------------------------------------------------------------------
+    # -- the contract ----------------------------------------------------------------
 
-    def _open_upload(self, key: str) -> Upload:
-        options = self.options
-        return FileUpload(key, self._path(key), fsync=options.fsync,
-                          writeback=options.writeback)
-
-    def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
-        read_file_into(self._path(key), offset, outs)
-
-    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
-        path = self._path(key)
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
-        target = tmp if atomic else path
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self.options.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(target)
-            raise
-        os.close(fd)
-        if atomic:
-            os.replace(tmp, path)
-            self._fsync_dir(parent)
-
-    def _get(self, key: str) -> bytes:
+    def read(self, key: str, offset: int = 0,
+             buffers: Sequence[memoryview] | None = None) -> bytes | None:
+        if buffers is not None:
+            read_file_into(self._path(key), offset, buffers)  # preadv, scattered
+            return None
         with open(self._path(key), "rb") as f:
+            if offset:
+                f.seek(offset)
             return f.read()
 
-    def _stat(self, key: str) -> ObjectInfo:
-        st = os.stat(self._path(key))
-        if not os.path.isfile(self._path(key)):
-            raise IsADirectoryError(errno.EISDIR, "is a directory", self._path(key))
+    def put(self, key: str, data: memoryview) -> None:
+        path = self._path(key)
+        parent, name = os.path.split(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+        try:
+            try:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.options.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        self._fsync_dir(parent)
+
+    def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        st = os.stat(path)
+        if not os.path.isfile(path):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
-    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        # Walk only the directory the prefix lies in, not the whole root.
-        head, _, _ = prefix.rpartition("/")
-        start = self._path(head) if head else self.location
-        if not os.path.isdir(start):
-            return
-        for dirpath, _dirs, files in os.walk(start):
-            rel_dir = os.path.relpath(dirpath, self.location)
-            for fname in files:
-                key = fname if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{fname}"
-                if not key.startswith(prefix):
-                    continue
-                try:
-                    st = os.stat(os.path.join(dirpath, fname))
-                except FileNotFoundError:
-                    continue
-                yield ObjectInfo(key, st.st_size, st.st_mtime)
+    def list(self, prefix: str, *, start_after: str = "",
+             delimiter: str | None = None) -> Iterator[ObjectInfo | str]:
+        # only the directory the prefix lies in is read, not the whole root
+        head, _, tail = prefix.rpartition("/")
+        start = self._path(head)
+        base = f"{head}/" if head else ""
+        if delimiter is None:
+            return self._walk(start, base, prefix)
+        return self._level(start, base, tail, start_after)
 
-    def _list_dirs(self, prefix: str, start_after: str) -> Iterable[str]:
-        start = self._path(prefix.rstrip("/")) if prefix else self.location
-        try:
-            entries = list(os.scandir(start))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        # a directory counts once it holds a file somewhere below it (as on a store)
-        return [e.name for e in entries if e.name > start_after
-                and e.is_dir(follow_symlinks=False) and _holds_file(e.path)]
-
-    def _delete(self, keys: Sequence[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> None:
         parents = set()
         for key in keys:
             path = self._path(key)
@@ -295,6 +302,106 @@ class LocalBackend(Backend):
             if os.path.isdir(parent):
                 self._fsync_dir(parent)
 
+    def map_error(self, exc: Exception, key: str | None) -> StoreError | None:
+        where = self._path(key) if key else self.location
+        if isinstance(exc, (FileExistsError, NotADirectoryError, FileNotFoundError)) and \
+                os.path.exists(self.location) and not os.path.isdir(self.location):
+            return LocationIsAFileError(
+                errno.ENOTDIR, f"checkpoint location {self.location} is a file, not a "
+                "directory; choose a directory path")
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFoundError(
+                errno.ENOENT, f"no such object {key!r} under {self.location}", where)
+        if isinstance(exc, PermissionError):
+            return AccessDeniedError(
+                exc.errno or errno.EACCES, f"permission denied on {where} "
+                f"(object {key!r}): check the owner and mode of {self.location}", where)
+        if isinstance(exc, TimeoutError):  # a network file system (NFS: ETIMEDOUT)
+            return StoreTimeoutError(
+                exc.errno or errno.ETIMEDOUT, f"{where}: the file system timed out "
+                f"(object {key!r})", where)
+        return None  # ENOSPC, EDQUOT, EISDIR, ...: raised unchanged, not retried
+
+    def open_stream(self, key: str) -> FileUpload:
+        options = self.options
+        return FileUpload(key, self._path(key), fsync=options.fsync,
+                          writeback=options.writeback)
+
+    # -- listing ---------------------------------------------------------------------
+
+    @staticmethod
+    def _walk(start: str, base: str, prefix: str) -> Iterator[ObjectInfo | str]:
+        """Every file below directory ``start`` (key prefix ``base``) whose key starts
+        with ``prefix``; sub-directories that cannot hold such a key are not entered."""
+        stack = [(start, base)]
+        while stack:
+            path, rel = stack.pop()
+            try:
+                entries = list(os.scandir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                key = rel + entry.name
+                if entry.is_dir():
+                    sub = key + "/"
+                    if not entry.is_symlink() and (sub.startswith(prefix)
+                                                   or prefix.startswith(sub)):
+                        stack.append((entry.path, sub))
+                    continue
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:  # deleted meanwhile, or a dangling link
+                    continue
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    @staticmethod
+    def _level(start: str, base: str, tail: str,
+               start_after: str) -> Iterator[ObjectInfo | str]:
+        """One level: the files directly under the prefix ``base + tail`` and, once,
+        each directory below it that holds a file somewhere (as on an object store)."""
+        try:
+            entries = list(os.scandir(start))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            if not entry.name.startswith(tail):
+                continue
+            rest = entry.name[len(tail):]
+            if entry.is_dir():
+                if (entry.is_symlink() or not rest
+                        or (rest <= start_after and base + entry.name <= start_after)):
+                    continue
+                if _holds_file(entry.path):
+                    yield rest
+                continue
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            yield ObjectInfo(base + entry.name, st.st_size, st.st_mtime)
+
+
+class LocalBackend(StoreBackend):
+    """Files under a local directory (the framework over :class:`LocalStore`). URI forms:
+    ``/abs/path``, ``rel/path``, ``file:///p``; :attr:`uri` is the plain path."""
+
+    Store: ClassVar[type[ObjectStore]] = LocalStore  # type: ignore[misc]
+    Options = LocalOptions
+    name = "file"
+    schemes = ("file",)
+    options: LocalOptions
+    store: LocalStore
+
+    @property
+    def uri(self) -> str:
+        return self.location
+
+    def __reduce__(self) -> Any:
+        # an importable class: rebuilt as itself (StoreBackend's rebuilds the generated one)
+        return (_restore, (type(self), self.__getstate__()))
+
     def remove_empty_dirs(self) -> None:
         """Remove the root and its sub-directories if they hold no files."""
         if not os.path.isdir(self.location):
@@ -303,20 +410,11 @@ class LocalBackend(Backend):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)
 
-    def _classify(self, exc: Exception, key: str | None) -> Failure | None:
-        if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.exists(
-            self.location
-        ) and not os.path.isdir(self.location):
-            return Failure(NotADirectoryError(
-                errno.ENOTDIR,
-                f"checkpoint location {self.location} is a file, not a directory; "
-                "choose a directory path",
-            ))
-        if isinstance(exc, FileNotFoundError) and key is not None:
-            return Failure(FileNotFoundError(
-                errno.ENOENT, f"no such object {key!r} under {self.location}", self._path(key)
-            ))
-        return None
+
+def _restore(cls: type[LocalBackend], state: dict[str, Any]) -> LocalBackend:
+    backend = cls.__new__(cls)
+    backend.__setstate__(state)
+    return backend
 
 
 def _holds_file(path: str) -> bool:

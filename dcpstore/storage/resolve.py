@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dcpstore.errors import DcpstoreError
 from dcpstore.storage.backend import Backend, BackendOptions
 from dcpstore.storage.options import (
     ReaderOptions,
@@ -32,7 +33,15 @@ from dcpstore.storage.options import (
 from dcpstore.storage.registry import backend_class, selected_backend_name
 from dcpstore.storage.uri import ParsedURI, parse_uri
 
-__all__ = ["Resolved", "Role", "env_variable", "open_backend", "resolve"]
+__all__ = [
+    "Resolved",
+    "Role",
+    "env_variable",
+    "open_backend",
+    "reader_option_values",
+    "resolve",
+    "serves",
+]
 
 #: What the options of a :func:`resolve` call are for. ``None``: a bare backend
 #: (keyword options must be backend options; other query options are ignored).
@@ -65,6 +74,9 @@ class Resolved:
     reader_options: dict[str, Any] = field(default_factory=dict)
     backend_name: str | None = None
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return str(self.uri)
 
     def open_backend(self) -> Backend:
         """Create the backend (a new instance on every call)."""
@@ -139,6 +151,15 @@ def resolve(
     return Resolved(parsed, cls, backend_options, writer, reader, backend, backend_kwargs)
 
 
+def serves(uri: Any) -> bool:
+    """Whether an installed backend serves ``uri`` (it resolves; no backend is made)."""
+    try:
+        resolve(str(uri))
+    except (DcpstoreError, TypeError, ValueError):
+        return False
+    return True
+
+
 def _own_values(
     cls: type[Any], names: frozenset[str], options: Mapping[str, Any], query: Mapping[str, str]
 ) -> dict[str, Any]:
@@ -149,6 +170,14 @@ def _own_values(
         explicit={k: v for k, v in options.items() if k in names},
         query={k: v for k, v in query.items() if k in names},
     )
+
+
+def reader_option_values(
+    uri: str | os.PathLike[str], options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The :class:`~dcpstore.ReaderOptions` fields among ``options`` and ``uri``'s query,
+    converted to their types; other options are ignored and no backend is looked up."""
+    return _own_values(ReaderOptions, _READER, options, parse_uri(uri).query)
 
 
 def open_backend(

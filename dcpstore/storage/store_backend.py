@@ -20,6 +20,7 @@ registry hands out for a store class.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from dcpstore.errors import ObjectTooLargeError
 from dcpstore.storage.backend import Backend, BackendOptions, Failure, ObjectInfo, Upload
 from dcpstore.storage.contract import MultipartStore, ObjectStore
 from dcpstore.storage.multipart import MultipartUpload, first_buffer_bytes
+from dcpstore.storage.uri import ParsedURI
 
 __all__ = ["StoreBackend", "StoreUpload", "WholeUpload", "backend_class"]
 
@@ -48,6 +50,10 @@ class StoreBackend(Backend):
     def __init__(self, location: str, options: BackendOptions | None = None) -> None:
         super().__init__(location, options)
         self.store = self.Store(location, self.options)
+
+    @classmethod
+    def from_uri(cls, uri: ParsedURI, options: BackendOptions) -> Backend:
+        return cls(cls.Store.location_for(uri), options)
 
     def __reduce__(self) -> Any:
         # the class is made at run time: rebuild it from the (importable) store class
@@ -258,10 +264,32 @@ def backend_class(store: type[ObjectStore]) -> type[StoreBackend]:
         if cls is None:
             cls = _classes[store] = type(f"{store.__name__}Backend", (StoreBackend,), {
                 "Store": store, "name": store.name, "schemes": store.schemes,
-                "Options": store.Options, "__module__": store.__module__,
+                "Options": store.Options, "__module__": __name__,
+                # pickle finds it by this path, in any process (see _Made)
+                "__qualname__": f"made.{store.__module__.replace('.', '/')}:"
+                                f"{store.__qualname__.replace('.', '/')}",
                 "__doc__": f"The framework's backend over :class:`{store.__qualname__}`.",
             })
         return cls
+
+
+class _Made:
+    """Where pickle finds the backend classes made at run time: a writer or reader in a
+    process-mode save or a spawned rank carries its backend's class, which pickle names
+    ``dcpstore.storage.store_backend.made.<store module>:<store class>``; another
+    process makes it again from the store class."""
+
+    def __getattr__(self, name: str) -> type[StoreBackend]:
+        module, sep, qualname = name.partition(":")
+        if not sep:
+            raise AttributeError(name)
+        found: Any = importlib.import_module(module.replace("/", "."))
+        for part in qualname.split("/"):
+            found = getattr(found, part)
+        return backend_class(found)
+
+
+made = _Made()
 
 
 def _rebuild(store: type[ObjectStore], state: dict[str, Any]) -> StoreBackend:

@@ -33,7 +33,8 @@ class ParsedURI:
 
     Attributes:
         scheme: Lower-case scheme; ``"file"`` for bare local paths.
-        location: What the backend roots itself at: an absolute path for local URIs,
+        location: What the backend roots itself at: an absolute path for local URIs
+            and for ``scheme:///abs/path`` (any scheme: a path-based store),
             ``bucket/prefix`` (no trailing slash) for object stores.
         query: Options given in the URI query string.
         original: The URI as the user wrote it, minus its query string.
@@ -52,13 +53,15 @@ def parse_uri(uri: str | os.PathLike[str]) -> ParsedURI:
     """Split a checkpoint URI into scheme, location and query options.
 
     Args:
-        uri: A bare path, ``file://`` URL or ``scheme://bucket/path[?k=v&...]``.
+        uri: A bare path, ``file://`` URL, ``scheme://bucket/path[?k=v&...]`` or
+            ``scheme:///abs/path`` (location ``/abs/path``, for path-based stores).
 
     Returns:
         The parsed URI.
 
     Raises:
-        InvalidURIError: The URI is empty, has no bucket, or contains ``..`` segments.
+        InvalidURIError: The URI is empty, has neither a bucket nor an absolute path,
+            or contains ``..`` segments.
     """
     text = os.fspath(uri)
     if not isinstance(text, str):
@@ -88,13 +91,17 @@ def parse_uri(uri: str | os.PathLike[str]) -> ParsedURI:
             f"URI for scheme {scheme!r} carries credentials; credentials never belong in a URI. "
             "Use the store's standard credential chain (environment, profile, config file)."
         )
-    if not parts.netloc:
-        raise InvalidURIError(f"URI {original!r} has no bucket/host: expected {scheme}://bucket/path")
     segments = [s for s in parts.path.split("/") if s]
+    if not parts.netloc and not (segments and parts.path.startswith("/")):
+        raise InvalidURIError(
+            f"URI {original!r} has no bucket/host: expected {scheme}://bucket/path (or "
+            f"{scheme}:///absolute/path for a store rooted at a path)")
     if any(s in ("..", ".") for s in segments):
         raise InvalidURIError(
             f"URI {original!r} contains '.' or '..' segments; write the path without them"
         )
+    if not parts.netloc:  # scheme:///abs/path: a path-based store's absolute root
+        return ParsedURI(scheme, "/" + "/".join(segments), query, original)
     location = "/".join([parts.netloc, *segments])
     return ParsedURI(scheme, location, query, original)
 

@@ -1,7 +1,9 @@
 """Test helpers for dcpstore and its backend plugins.
 
 - ``BackendConformance``: the abstract pytest suite every backend passes
-  (:mod:`dcpstore.testing.conformance`, split by concern);
+  (:mod:`dcpstore.testing.conformance`, split by concern); ``ContractTests`` checks a
+  plugin's methods against the contract's rules, failing with a ``ContractViolation``
+  that names the method and the rule;
 - ``MemoryBackend`` and ``FaultBackend``: an in-memory store and a fault-injecting
   wrapper, for protocol tests without HTTP (:mod:`dcpstore.testing.memory`,
   :mod:`dcpstore.testing.faults`);
@@ -21,7 +23,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcpstore.testing.conformance import BackendConformance, HTTPEndpoint
+    from dcpstore.testing.conformance import (
+        BackendConformance,
+        ContractTests,
+        ContractViolation,
+        HTTPEndpoint,
+    )
     from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, ProxyStats, RequestInfo, classify
     from dcpstore.testing.faults import Fault, FaultBackend
     from dcpstore.testing.memory import MemoryBackend
@@ -29,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendConformance",
+    "ContractTests",
+    "ContractViolation",
     "Fault",
     "FaultBackend",
     "FaultPlan",
@@ -45,6 +54,8 @@ __all__ = [
 
 _WHERE = {
     "BackendConformance": "conformance",
+    "ContractTests": "conformance",
+    "ContractViolation": "conformance",
     "HTTPEndpoint": "conformance",
     "Fault": "faults",
     "FaultBackend": "faults",

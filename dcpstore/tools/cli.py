@@ -4,6 +4,9 @@ Errors print one line on stderr and exit non-zero; ``--debug`` shows the traceba
 Output into a pipe that closes early (``dcpstore inspect URI | head``) ends the command
 quietly with status 141, as SIGPIPE ends a Unix tool. Progress bars need ``tqdm``
 (``pip install 'dcpstore[cli]'``).
+
+This module imports the standard library only; each command imports what it needs when
+it runs, so ``dcpstore --help`` does not import torch (``tests/test_cli_startup.py``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from dcpstore.dcp import layout
 from dcpstore.dcp.checksum import BlockCRCs, crc32c
 from dcpstore.dcp.manifest import SAVE_ID_PREFIX, FileRecord, Manifest
@@ -33,7 +31,6 @@ from dcpstore.dcp.references import (
     root_key,
     run_root,
 )
-from dcpstore.dcp.safe_pickle import safe_loads
 from dcpstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -43,7 +40,6 @@ from dcpstore.errors import (
 from dcpstore.storage.backend import Backend, ObjectInfo, ReadRange
 from dcpstore.storage.resolve import open_backend
 from dcpstore.storage.uri import is_reference, validate_reference
-from dcpstore.training.checkpointer import delete_checkpoint
 
 __all__ = [
     "CheckpointInfo",
@@ -119,14 +115,46 @@ def list_checkpoints(root_uri: str, **options: Any) -> list[CheckpointInfo]:
         if committed:
             ckpt = root.child(head) if head else root
             try:
-                save_id = getattr(load_metadata(ckpt)[0].storage_meta, "save_id", None)
-                manifest = read_manifest(ckpt, save_id)
-                info.world_size = manifest.world_size if manifest else None
+                info.world_size = _world_size(ckpt, objs)
             except Exception as exc:  # listing must not fail on one damaged checkpoint
                 logger.warning("%s: %s", head, exc)
         out.append(info)
     root.close()
     return out
+
+
+def _world_size(ckpt: Backend, objs: list[ObjectInfo]) -> int | None:
+    """The world size the manifest of a committed checkpoint records (``None``: another
+    writer's checkpoint, which has none).
+
+    The manifest is found as the one that records the size and CRC32C of the
+    ``.metadata`` beside it, so ``.metadata`` is not unpickled, which would import torch
+    (``dcpstore ls`` does not); only manifests older than that record fall back to the
+    save id ``.metadata`` names.
+    """
+    names = sorted(name for name in (o.key.rpartition("/")[2] for o in objs)
+                   if name.endswith(".json") and layout.save_id_of(name) is not None)
+    if not names:
+        return None
+    raw = ckpt.get(layout.METADATA_KEY)
+    digest = (len(raw), crc32c(raw))
+    unrecorded = False
+    for name in names:  # normally one; more while an overwrite or a failed save is there
+        try:
+            manifest = Manifest.from_bytes(ckpt.get(name), source=f"{ckpt.uri}/{name}")
+        except (OSError, ValueError, DcpstoreError) as exc:  # another save's, damaged
+            logger.debug("%s: %s", name, exc)
+            continue
+        if manifest.metadata is None:
+            unrecorded = True
+        elif (manifest.metadata.size, manifest.metadata.crc32c) == digest:
+            return manifest.world_size
+    if not unrecorded:
+        raise IntegrityError(f"{ckpt.uri}/{layout.METADATA_KEY}: no manifest beside it "
+                             "records it (`dcpstore verify` tells more)")
+    save_id = getattr(load_metadata(ckpt)[0].storage_meta, "save_id", None)
+    named = read_manifest(ckpt, save_id)
+    return named.world_size if named else None
 
 
 def list_checkpoints_tiered(root_uri: str, local_tier: str, **options: Any
@@ -149,6 +177,8 @@ def list_checkpoints_tiered(root_uri: str, local_tier: str, **options: Any
 
 def inspect_checkpoint(uri: str, **options: Any) -> dict[str, Any]:
     """Keys, dtypes, shapes, sharding, files and versions of one checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     backend = open_backend(uri, **options)
     md = load_metadata(backend)[0]
     manifest = read_manifest(backend, getattr(md.storage_meta, "save_id", None))
@@ -442,6 +472,8 @@ def copy_checkpoint(src: str, dst: str, *, progress: Progress = _noop, concurren
 
 def _self_contained(md_raw: bytes, manifest: Manifest) -> tuple[bytes, bytes]:
     """``.metadata`` and manifest of a copy that holds the referenced files itself."""
+    from dcpstore.dcp.safe_pickle import safe_loads
+
     metadata = safe_loads(md_raw, source=".metadata")
     metadata.storage_data = {
         index: dataclasses.replace(info, relative_path=validate_reference(
@@ -465,6 +497,8 @@ def remove_checkpoint(uri: str, *, dry_run: bool = False, **options: Any) -> lis
     :func:`dcpstore.dcp.references.delete_steps`). Keys of retired siblings removed on the
     way are returned as ``../<step>/<key>``.
     """
+    from dcpstore.training.checkpointer import delete_checkpoint
+
     backend = open_backend(uri, **options)
     try:
         keys = [o.key for o in backend.list() if layout.is_checkpoint_object(o.key)

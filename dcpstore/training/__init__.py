@@ -6,3 +6,7 @@ drain), :mod:`~dcpstore.dcp.staging` (snapshots at ``save()``),
 latest pointer), :mod:`~dcpstore.training.state` (``AppState``) and
 :mod:`~dcpstore.training.weights` (weights-only loads, export).
 """
+
+from dcpstore._compat import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)

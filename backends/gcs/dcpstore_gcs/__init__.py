@@ -1,4 +1,4 @@
-"""dcpstore-gcs: the Google Cloud Storage backend of dcpstore (``gs://``, ``gcs://``).
+"""dcpstore-gcs: the Google Cloud Storage plugin of dcpstore (``gs://``, ``gcs://``).
 
 >>> import dcpstore
 >>> writer = dcpstore.get_writer("gs://my-bucket/run7/step-1200")
@@ -8,6 +8,7 @@ See :mod:`dcpstore_gcs.backend` for how uploads and reads map onto the GCS JSON 
 
 from __future__ import annotations
 
-from .backend import BucketNotFoundError, GCSBackend, GCSOptions, GCSRequestError
+from .api import GCSRequestError
+from .backend import BucketNotFoundError, GCSBackend, GCSOptions, GCSStore
 
-__all__ = ["BucketNotFoundError", "GCSBackend", "GCSOptions", "GCSRequestError"]
+__all__ = ["BucketNotFoundError", "GCSBackend", "GCSOptions", "GCSRequestError", "GCSStore"]

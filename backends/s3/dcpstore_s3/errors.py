@@ -1,9 +1,9 @@
-"""S3's error codes and the one classification of botocore's exceptions.
+"""S3's error codes and the one translation of botocore's exceptions to dcpstore's kinds.
 
-:func:`classify` decides, once per exception, both whether a request is retried
-(throttling, 5xx, timeouts, dropped and refused connections) and what the caller gets
-when retrying stops: Python's own exceptions or dcpstore's, with the S3 URL, the error
-code, the HTTP status and the request id in the message, and never a secret.
+:func:`to_store_error` (the store's ``map_error``) picks, once per exception, the
+:mod:`dcpstore.errors` kind, which says whether the framework retries the request
+(throttling, 5xx, timeouts, dropped and refused connections) and is what the caller gets
+when retrying stops.
 """
 
 from __future__ import annotations
@@ -30,26 +30,39 @@ from botocore.exceptions import (
     SSLError,
 )
 
-from dcpstore.errors import BucketNotFoundError, StoreThrottledError, StoreTimeoutError
-from dcpstore.storage.backend import Failure
+from dcpstore.plugin import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigurationError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    PreconditionFailedError,
+    StoreError,
+    StoreThrottledError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from dcpstore.storage.redact import redact
 
 from .options import S3Options
 
 __all__ = [
+    "CONFIGURATION_CODES",
     "DENIED_CODES",
     "NOT_FOUND_CODES",
     "RETRYABLE_CODES",
     "RETRYABLE_STATUS",
     "THROTTLING_CODES",
-    "classify",
+    "TIMEOUT_CODES",
+    "TOO_LARGE_CODES",
     "describe_cause",
     "error_info",
     "is_not_found",
     "redact_url",
+    "to_store_error",
 ]
 
-#: Error codes that mean "slow down": after the last attempt, a StoreThrottledError.
+#: Error codes that mean "slow down": a StoreThrottledError.
 THROTTLING_CODES = frozenset({
     "SlowDown",
     "Throttling",
@@ -64,12 +77,12 @@ THROTTLING_CODES = frozenset({
     "ProvisionedThroughputExceededException",
     "EC2ThrottledException",
 })
-#: Error codes that mean "try again".
-RETRYABLE_CODES = THROTTLING_CODES | frozenset({
+#: Error codes of a request the server gave up waiting for: a StoreTimeoutError.
+TIMEOUT_CODES = frozenset({"RequestTimeout", "RequestTimeoutException"})
+#: Error codes that mean "try again" (the rest: a StoreUnavailableError).
+RETRYABLE_CODES = THROTTLING_CODES | TIMEOUT_CODES | frozenset({
     "InternalError",
     "ServiceUnavailable",
-    "RequestTimeout",
-    "RequestTimeoutException",
     "PriorRequestNotComplete",
 })
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -89,7 +102,15 @@ DENIED_CODES = frozenset({
     "RequestTimeTooSkewed",
 })
 
-#: Failures of the connection itself: retried, then a ConnectionError.
+#: Objects or parts over S3's limits: an ObjectTooLargeError. (More than 10,000 parts
+#: never reach S3: the framework refuses part 10,001 with the same kind.)
+TOO_LARGE_CODES = frozenset({"EntityTooLarge", "MaxMessageLengthExceeded"})
+#: A bucket name, region or endpoint S3 cannot serve: a ConfigurationError.
+CONFIGURATION_CODES = frozenset({"InvalidBucketName", "PermanentRedirect",
+                                 "AuthorizationHeaderMalformed",
+                                 "IllegalLocationConstraintException"})
+
+#: Failures of the connection itself: a StoreUnavailableError (a ConnectionError).
 _DROPPED = (ConnectionClosedError, ResponseStreamingError, IncompleteReadError, HTTPClientError)
 _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)
 
@@ -130,97 +151,98 @@ def describe_cause(exc: BaseException) -> str:
     return text.split(": ", 1)[-1] if "Connection" in text else text
 
 
-def classify(exc: Exception, *, where: str, bucket: str, endpoint: str | None,
-             options: S3Options) -> Failure | None:
-    """Whether ``exc`` is retried and what is raised in the end (``None``: not botocore's;
-    the base class's default applies).
+def to_store_error(exc: Exception, *, where: str, bucket: str, endpoint: str | None,
+                   options: S3Options) -> StoreError | ConfigurationError | None:
+    """The dcpstore failure kind for ``exc`` (``None``: not botocore's), with the S3 URL,
+    the error code, the HTTP status and the request id in the message, and never a
+    secret; decided from exception types, error codes and HTTP status alone.
 
     Args:
         exc: What a request raised.
         where: The ``s3://`` URL the request was about.
         bucket: The bucket.
         endpoint: The endpoint URL the client uses (redacted here before use).
-        options: The backend's options (timeouts and attempts, for the messages).
+        options: The store's options (timeouts and attempts, for the messages).
     """
     attempts = options.max_attempts
     at = redact_url(endpoint)
     if isinstance(exc, ClientError):
-        return _classify_client_error(exc, where, bucket, at, attempts)
+        return _client_error(exc, where, bucket, at, attempts)
     if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
         phase = "connect" if isinstance(exc, ConnectTimeoutError) else "read"
         limit = options.connect_timeout if phase == "connect" else options.timeout
-        return Failure(StoreTimeoutError(
+        return StoreTimeoutError(
             f"S3 request for {where} timed out ({phase} timeout {limit:g}s, "
             f"{attempts} attempt(s)) at {at}; the store is overloaded or unreachable "
-            "(raise timeout= / max_attempts= if it is slow)"
-        ), retryable=True)
+            "(raise timeout= / max_attempts= if it is slow)")
     if isinstance(exc, EndpointConnectionError):  # refused / DNS: also a restarting store
-        return Failure(ConnectionError(
+        return StoreUnavailableError(
             errno.ECONNREFUSED,
             f"cannot reach the S3 endpoint {at} for {where} ({attempts} attempt(s)): "
             f"{describe_cause(exc)}. Check endpoint_url / AWS_ENDPOINT_URL_S3 / "
-            "AWS_ENDPOINT_URL and that the store is running",
-        ), retryable=True)
+            "AWS_ENDPOINT_URL and that the store is running")
     if isinstance(exc, SSLError):
-        return Failure(ConnectionError(
-            f"TLS handshake with {at} failed for {where}: {describe_cause(exc)}"
-        ))
+        return StoreUnavailableError(  # an untrusted certificate stays so: no retries
+            f"TLS handshake with {at} failed for {where}: {describe_cause(exc)}",
+            retryable=False)
     if isinstance(exc, _DROPPED):
-        return Failure(ConnectionError(
+        return StoreUnavailableError(
             f"connection to {at} dropped during a request for {where} ({attempts} "
-            f"attempt(s)): {type(exc).__name__}"
-        ), retryable=True)
+            f"attempt(s)): {type(exc).__name__}")
     if isinstance(exc, _NO_CREDENTIALS):
-        return Failure(PermissionError(
-            errno.EACCES,
+        return AccessDeniedError(
             f"no usable AWS credentials for {where} ({type(exc).__name__}): set "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE / profile=, use an "
-            "instance or container role, or pass anonymous=True for public buckets",
-        ))
+            "instance or container role, or pass anonymous=True for public buckets")
     if isinstance(exc, ProfileNotFound):
-        return Failure(PermissionError(
-            errno.EACCES,
+        return AccessDeniedError(
             f"the AWS profile {options.profile or '(from AWS_PROFILE)'!r} is not "
-            "defined in the shared config/credentials files",
-        ))
+            "defined in the shared config/credentials files")
     if isinstance(exc, ParamValidationError):
-        return Failure(ValueError(f"invalid S3 request for {where}: {exc}"))
+        return ConfigurationError(f"invalid S3 request for {where}: {exc}")
     if isinstance(exc, BotoCoreError):
-        return Failure(OSError(f"S3 request for {where} failed: {type(exc).__name__}: {exc}"),
-                       retryable=isinstance(exc, (ConnectionError, TimeoutError)))
+        kind = (StoreUnavailableError if isinstance(exc, ConnectionError) else
+                StoreTimeoutError if isinstance(exc, TimeoutError) else StoreError)
+        return kind(f"S3 request for {where} failed: {type(exc).__name__}: {exc}")
     return None
 
 
-def _classify_client_error(exc: ClientError, where: str, bucket: str, at: str,
-                           attempts: int) -> Failure:
+def _client_error(exc: ClientError, where: str, bucket: str, at: str,
+                  attempts: int) -> StoreError | ConfigurationError:
     code, status, request_id, message = error_info(exc)
-    retryable = code in RETRYABLE_CODES or status in RETRYABLE_STATUS
     op = getattr(exc, "operation_name", None) or "request"
     rid = f"request id {request_id}" if request_id else "no request id"
     detail = f"{code}{': ' + message if message else ''}; HTTP {status}, {rid}"
-    error: OSError
+    failed = f"S3 {op} on {where} kept failing after {attempts} attempt(s) ({detail})"
+    kind: type[StoreError]
     if code == "NoSuchBucket":
-        error = BucketNotFoundError(
-            errno.ENOENT,
-            f"S3 bucket {bucket!r} does not exist at {at} ({op}: {detail}); create it or "
-            "fix the URI",
-        )
+        text = (f"S3 bucket {bucket!r} does not exist at {at} ({op}: {detail}); create it "
+                "or fix the URI")
+        kind = BucketNotFoundError
     elif code in NOT_FOUND_CODES or (status == 404 and code != "NoSuchUpload"):
-        error = FileNotFoundError(errno.ENOENT, f"no such object {where} ({op}: {detail})")
+        text, kind = f"no such object {where} ({op}: {detail})", ObjectNotFoundError
     elif code in DENIED_CODES or status == 403:
-        error = PermissionError(
-            errno.EACCES,
-            f"S3 denied {op} on {where} ({detail}); check the credentials and the bucket "
-            "policy",
-        )
+        text = (f"S3 denied {op} on {where} ({detail}); check the credentials and the "
+                "bucket policy")
+        kind = AccessDeniedError
+    elif code in CONFIGURATION_CODES:
+        return ConfigurationError(f"S3 refused {op} on {where} ({detail}): check the URI's "
+                                  "bucket, region, endpoint_url and addressing_style")
+    elif code in TOO_LARGE_CODES:
+        text = (f"S3 {op} on {where}: the object or part is larger than S3 accepts "
+                f"({detail}); raise part_size or save more, smaller files")
+        kind = ObjectTooLargeError
+    elif code == "PreconditionFailed" or status == 412:
+        text, kind = f"S3 {op} on {where}: precondition failed ({detail})", \
+            PreconditionFailedError
+    elif code in THROTTLING_CODES or status == 429:
+        text, kind = failed, StoreThrottledError
+    elif code in TIMEOUT_CODES:
+        text, kind = failed, StoreTimeoutError
+    elif code in RETRYABLE_CODES or status in RETRYABLE_STATUS:
+        text, kind = failed, StoreUnavailableError
     elif code == "InvalidRange":
-        error = OSError(errno.EIO, f"{where}: requested range is past the end ({detail})")
-    elif retryable:
-        kind = StoreThrottledError if code in THROTTLING_CODES or status == 429 else OSError
-        error = kind(
-            errno.EAGAIN,
-            f"S3 {op} on {where} kept failing after {attempts} attempt(s) ({detail})",
-        )
+        text, kind = f"{where}: requested range is past the end ({detail})", StoreError
     else:
-        error = OSError(f"S3 {op} on {where} failed ({detail})")
-    return Failure(error, retryable=retryable)
+        text, kind = f"S3 {op} on {where} failed ({detail})", StoreError
+    return kind(text, request_id=request_id)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from dcpstore.storage.backend import BackendOptions
+from dcpstore.plugin import ConfigurationError, StoreLimits, StoreOptions
 
 __all__ = [
     "ADDRESSING_STYLES",
+    "LIMITS",
     "MAX_PARTS",
     "MAX_PART_SIZE",
     "MIN_PART_SIZE",
@@ -26,8 +27,12 @@ MAX_PART_SIZE = 5 * 1024 * MiB
 #: S3's limit of parts per multipart upload.
 MAX_PARTS = 10_000
 #: Part-size growth of a multipart upload, ``(after part, factor)``: ``part_size`` for
-#: parts 1-1,000, twice it up to part 2,000, then 4x (see ``MultipartUpload.part_growth``).
+#: parts 1-1,000, twice it up to part 2,000, then 4x: what the framework does for
+#: ``LIMITS.max_parts`` (2x after a tenth of them, 4x after a fifth).
 PART_GROWTH = ((1_000, 2), (2_000, 4))
+#: What S3 accepts; the framework sizes parts (and their growth) and single PUTs by it.
+LIMITS = StoreLimits(max_put_size=MAX_PART_SIZE, max_parts=MAX_PARTS,
+                     min_part_size=MIN_PART_SIZE, max_part_size=MAX_PART_SIZE)
 
 
 def largest_object(part_size: int) -> int:
@@ -43,7 +48,7 @@ PREFIX_STRATEGIES = ("none", "hash")
 
 
 @dataclass
-class S3Options(BackendOptions):
+class S3Options(StoreOptions):
     """Options of the S3 backend.
 
     Set them as keyword arguments (``dcpstore.get_writer(uri, region="eu-west-1")``), in
@@ -94,7 +99,7 @@ class S3Options(BackendOptions):
             max_concurrency``, sent from a buffer of its size.
             The writer's automatic layout (``files_per_rank=None``) makes data files of
             up to 15/16 of it, so each is one ``PutObject`` on save and one GET on a
-            same-world-size load (see :meth:`S3Backend.preferred_object_size`). 16 MiB:
+            same-world-size load (the framework's ``preferred_object_size``). 16 MiB:
             on moto, which assembles multipart uploads and serves ranged reads by copying
             whole objects, 15 MiB single-request files (4 written at once) saved ~2-3x
             and loaded ~4-6x faster than one multipart file per rank, and faster than
@@ -130,40 +135,41 @@ class S3Options(BackendOptions):
     max_concurrency: int = 8
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for values S3 would refuse or that make no sense."""
+        """Raise :class:`~dcpstore.errors.ConfigurationError` (a ``ValueError``) for values
+        S3 would refuse or that make no sense."""
         super().validate()
         if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
-            raise ValueError(
+            raise ConfigurationError(
                 f"part_size must be between 5 MiB ({MIN_PART_SIZE}) and 5 GiB "
                 f"({MAX_PART_SIZE}) for S3 multipart uploads, got {self.part_size}"
             )
         if not 0 < self.multipart_threshold <= MAX_PART_SIZE:
-            raise ValueError(
+            raise ConfigurationError(
                 f"multipart_threshold must be between 1 byte and 5 GiB ({MAX_PART_SIZE}, "
                 f"S3's largest PutObject), got {self.multipart_threshold}"
             )
         if self.addressing_style not in ADDRESSING_STYLES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"addressing_style must be one of {', '.join(ADDRESSING_STYLES)}, "
                 f"got {self.addressing_style!r}"
             )
         if self.prefix_strategy not in PREFIX_STRATEGIES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"prefix_strategy must be one of {', '.join(PREFIX_STRATEGIES)}, "
                 f"got {self.prefix_strategy!r}"
             )
         if self.connect_timeout <= 0:
-            raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+            raise ConfigurationError(f"connect_timeout must be > 0, got {self.connect_timeout}")
         if self.endpoint_url is not None:
             parts = urlsplit(self.endpoint_url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(
+                raise ConfigurationError(
                     "endpoint_url must be an http:// or https:// URL with a host, e.g. "
                     "http://127.0.0.1:8333"
                 )
             if parts.username is not None or parts.password is not None:
                 # never echo it: it carries a secret
-                raise ValueError(
+                raise ConfigurationError(
                     "endpoint_url carries credentials; credentials never belong in a URL. "
                     "Use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or a role."
                 )

@@ -14,16 +14,20 @@ Use it from a backend's test module::
         def backend_options(self, my_server):         # options for open_backend/get_writer
             return {"endpoint_url": my_server.url}
 
-Optional hooks (``missing_bucket_uri``, ``denied_backend_options``, ``http_endpoint``)
-switch on the error tests; see :class:`ConformanceBase`. Class attributes tune
-expectations where stores legitimately differ. Each concern is also a class of its own
-(``ObjectTests``, ``UploadTests``, ...) for a backend that passes only some.
+Optional hooks (``missing_bucket_uri``, ``denied_backend_options``, ``http_endpoint``,
+``store_faults``) switch on the error tests; see :class:`ConformanceBase`. A plugin
+(an :class:`~dcpstore.plugin.ObjectStore`) is also checked method by method against the
+contract's rules (``ContractTests``: a broken rule fails naming the method and the
+rule). Class attributes tune expectations where stores legitimately differ. Each
+concern is also a class of its own (``ObjectTests``, ``UploadTests``, ...) for a
+backend that passes only some.
 """
 
 from __future__ import annotations
 
 from dcpstore.testing.conformance._base import ConformanceBase, HTTPEndpoint
 from dcpstore.testing.conformance.checkpoints import CheckpointTests
+from dcpstore.testing.conformance.contract import ContractTests, ContractViolation
 from dcpstore.testing.conformance.errors import ErrorTests
 from dcpstore.testing.conformance.listing import ListingTests
 from dcpstore.testing.conformance.objects import ObjectTests
@@ -36,6 +40,8 @@ __all__ = [
     "BackendConformance",
     "CheckpointTests",
     "ConformanceBase",
+    "ContractTests",
+    "ContractViolation",
     "ErrorTests",
     "HTTPEndpoint",
     "ListingTests",
@@ -50,7 +56,7 @@ __all__ = [
 
 class BackendConformance(
     ObjectTests, ListingTests, UploadTests, RangeTests, ErrorTests, PicklingTests,
-    CheckpointTests,
+    CheckpointTests, ContractTests,
 ):
     """The whole abstract suite. Override ``checkpoint_uri`` (and ``backend_options``
     when the backend needs options, e.g. an endpoint)."""

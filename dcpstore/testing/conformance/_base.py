@@ -1,9 +1,10 @@
 """Fixtures every conformance module shares, and the hooks a backend's test class fills.
 
 A backend's test class overrides ``checkpoint_uri`` (required) and ``backend_options``;
-the error tests use the optional hooks ``missing_bucket_uri``, ``denied_backend_options``
-and ``http_endpoint``. A hook left at its default (``None``) skips its tests with the
-reason printed, for backends that have no such concept.
+the error tests use the optional hooks ``missing_bucket_uri``, ``denied_backend_options``,
+``http_endpoint`` (faults through an HTTP proxy) and ``store_faults`` (the SDK's own
+exceptions, for a store without HTTP). A hook left at its default (``None``) skips its
+tests with the reason printed, for backends that have no such concept.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ class ConformanceBase:
     def http_endpoint(self) -> HTTPEndpoint | None:
         """The store's HTTP endpoint, for throttling through a proxy; ``None`` when the
         backend makes no HTTP requests."""
+        return None
+
+    @pytest.fixture
+    def store_faults(self) -> dict[str, BaseException] | None:
+        """The exceptions the store's SDK raises, by kind (``"throttled"``,
+        ``"timeout"``, ``"unavailable"``, ``"denied"``, ``"not_found"``,
+        ``"missing_bucket"``, ``"too_large"``, ``"precondition"``; any subset): the
+        suite checks what ``map_error`` makes of each (class, ``retryable``) and, with
+        a retryable kind, that the framework retries a request that raised it and then
+        succeeds; no HTTP needed. ``None``: skipped."""
         return None
 
     # -- fixtures the suite provides -------------------------------------------------------

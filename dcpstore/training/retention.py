@@ -1,0 +1,163 @@
+"""Retention: ``keep_last`` at the root after each step commits there, ``keep_last_local``
+in the local tier, and deleting one step.
+
+A step stops being a checkpoint at once: its ``.metadata`` goes first. With incremental
+saves, files that a retained step references stay (:mod:`dcpstore.dcp.references`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+from dcpstore.dcp import layout
+from dcpstore.dcp.references import INCREMENTAL_DIR, delete_steps
+from dcpstore.storage.backend import Backend
+from dcpstore.training.context import CheckpointerContext
+from dcpstore.training.drain import PendingDrains
+from dcpstore.training.latest import step_dir
+from dcpstore.training.local_tier import local_committed_steps
+
+__all__ = ["Retention", "delete_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+class Retention:
+    """Deletes the steps a run no longer keeps (every method is collective over the
+    group it is given; ``None``: the Checkpointer's group).
+
+    Args:
+        context: The Checkpointer's settings, root and collectives.
+        pending: The steps waiting to drain (local retention spares them).
+    """
+
+    def __init__(self, context: CheckpointerContext, pending: PendingDrains) -> None:
+        self._config, self._root, self._collectives = (
+            context.config, context.root, context.collectives)
+        self._pending = pending
+
+    def retain(self, group: Any = None) -> None:
+        """After a step committed at the root: keep the ``keep_last`` newest there.
+
+        A failure is logged, not raised: the new step is committed, and the next
+        save's retention catches up.
+        """
+        keep_last = self._config.keep_last
+        if keep_last is None:
+            return
+        if self._collectives.is_coordinator(group):
+            try:
+                self._delete_old_steps(keep_last)
+            except Exception as exc:
+                logger.warning("retention under %s failed (%s); older steps stay until the "
+                               "next save's retention", self._config.root_uri, exc)
+        self._collectives.barrier(group)
+
+    def _delete_old_steps(self, keep_last: int) -> None:
+        """Coordinator: delete all but the ``keep_last`` newest committed steps."""
+        root = self._root.backend
+        dirs = root.list_dirs()
+        steps = self._root.committed(dirs)
+        doomed = steps[: max(0, len(steps) - keep_last)]
+        if not doomed:
+            return
+        logger.info("retention: deleting steps %s under %s", doomed, self._config.root_uri)
+        self._root.forget(doomed)
+        if self._config.incremental or INCREMENTAL_DIR in dirs:
+            # files a kept step references stay (dcpstore.dcp.references)
+            delete_steps(root, [step_dir(s) for s in doomed])
+        else:  # no step here references another: nothing to read first
+            for old in doomed:
+                _delete_closing(root.child(step_dir(old)))
+
+    def retain_local(self, group: Any = None) -> None:
+        """Keep the ``keep_last_local`` newest steps in the local tier, and every step
+        that is newer than the root's newest or still to drain (unless a newer step
+        supersedes its drain: latest wins)."""
+        tier, keep_last_local = self._config.local_tier, self._config.keep_last_local
+        if tier is None or keep_last_local is None:
+            return
+        doomed: list[int] | None = None
+        if self._collectives.is_coordinator(group):
+            local = local_committed_steps(tier)
+            remote = set(self._root.committed())
+            newest_remote = max(remote, default=-1)
+            keep = set(local[-keep_last_local:])
+            undrained = self._pending.undrained()
+            superseded = (self._pending.superseded()
+                          if self._config.drain_policy == "latest" else set())
+            doomed = [s for s in local if s not in keep
+                      and (s in superseded or (s not in undrained
+                                               and (s in remote or s < newest_remote)))]
+        doomed = self._collectives.broadcast(doomed, group)
+        if doomed:
+            self._delete_local(doomed, group)
+
+    def delete(self, step: int) -> None:
+        """Delete ``step`` at the root and in the local tier (see
+        :meth:`Checkpointer.delete`)."""
+        self._root.forget([step])
+        self._collectives.on_coordinator(
+            lambda: delete_steps(self._root.backend, [step_dir(step)]), self._root.failure)
+        if self._config.local_tier is not None:
+            self._delete_local([step], None)
+
+    def _delete_local(self, steps: list[int], group: Any) -> None:
+        """Delete local steps: ``.metadata`` first (coordinator), then every rank its own
+        files, then the coordinator the rest."""
+        rank = self._collectives.rank(group)
+        paths = [p for p in (self._config.local_step_path(s) for s in steps) if p]
+        if rank == 0:
+            for path in paths:
+                logger.info("local retention: deleting %s", path)
+                _unlink(os.path.join(path, layout.METADATA_KEY))
+        self._collectives.barrier(group)
+        prefix = f"__{rank}_"
+        for path in paths:
+            for name in _listdir(path):
+                if name.startswith(prefix):
+                    _unlink(os.path.join(path, name))
+        self._collectives.barrier(group)
+        if rank == 0:
+            for path in paths:
+                for name in _listdir(path):
+                    _unlink(os.path.join(path, name))
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+
+
+def delete_checkpoint(ckpt: Backend) -> int:
+    """Delete a checkpoint: ``.metadata`` first (it stops being one at once), then the rest.
+
+    Returns the number of objects deleted.
+    """
+    keys = [o.key for o in ckpt.list()]
+    if layout.METADATA_KEY in keys:
+        ckpt.delete([layout.METADATA_KEY])
+    rest = [k for k in keys if k != layout.METADATA_KEY]
+    ckpt.delete(rest)
+    ckpt.remove_empty_dirs()
+    return len(keys)
+
+
+def _delete_closing(ckpt: Backend) -> None:
+    """:func:`delete_checkpoint`, then release the backend made for it (its client)."""
+    try:
+        delete_checkpoint(ckpt)
+    finally:
+        ckpt.close()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
