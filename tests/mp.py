@@ -107,7 +107,7 @@ def _context() -> Any:
         # (torch._dynamo: DTensor.from_local imports it, seconds per rank otherwise)
         ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint",
                                     "torch.distributed.tensor", "torch._dynamo", "dcpstore",
-                                    "dcpstore_s3", "botocore.session"])
+                                    "dcpstore_s3", "botocore.session", "dcpstore_azure"])
         _CONTEXT = ctx
     return _CONTEXT
 

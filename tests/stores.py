@@ -1,5 +1,6 @@
 """The one store matrix of the reliability tests: local disk, moto, SeaweedFS,
-fake-gcs-server and MSC (an S3 profile over the moto server).
+fake-gcs-server, MSC (an S3 profile over the moto server) and Azure Blob Storage
+(Azurite).
 
 ``tests/conftest.py`` turns :data:`STORE_NAMES` into the ``store`` fixture (one per
 test, under a fresh prefix of the session's servers). A module that cannot run some of
@@ -24,20 +25,23 @@ import dcpstore
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import MemoryBackend
+from dcpstore.testing.azurite import ACCOUNT as AZURITE_ACCOUNT
 from dcpstore.testing.servers import gcs_object_names, isolate_env, msc_s3_profile
 
 __all__ = ["BUCKET", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files"]
 
 #: Bucket every server store uses (created once per session).
 BUCKET = "dcpstore-test"
-#: The buckets the S3 and GCS tests use (the same name on every server).
-S3_TEST_BUCKET = GCS_TEST_BUCKET = BUCKET
+#: The buckets the S3 and GCS tests use, and Azurite's container (the same name on every
+#: server).
+S3_TEST_BUCKET = GCS_TEST_BUCKET = AZURE_TEST_CONTAINER = BUCKET
 #: The MSC profile of the ``msc`` store (an S3 profile over moto, bucket :data:`BUCKET`).
 MSC_PROFILE = "dcpstore-test"
 #: Every store, in the order tests run them.
-STORE_NAMES = ("local", "moto", "seaweedfs", "gcs", "msc")
+STORE_NAMES = ("local", "moto", "seaweedfs", "gcs", "msc", "azure")
 #: Kind of client each store is reached through.
-KINDS = {"local": "local", "moto": "s3", "seaweedfs": "s3", "gcs": "gcs", "msc": "msc"}
+KINDS = {"local": "local", "moto": "s3", "seaweedfs": "s3", "gcs": "gcs", "msc": "msc",
+         "azure": "azure"}
 
 
 def memory_scheme(bucket: str) -> Iterator[None]:
@@ -73,12 +77,14 @@ class Store:
     """One store of the matrix, under a prefix of its own for one test.
 
     Attributes:
-        name: ``local``, ``moto``, ``seaweedfs``, ``gcs`` or ``msc``.
+        name: ``local``, ``moto``, ``seaweedfs``, ``gcs``, ``msc`` or ``azure``.
         root: Where this test's checkpoints go (a directory or a URI prefix).
         options: Backend options for every dcpstore call.
         env: Environment its clients need (set for the test; pass it to spawned ranks).
-        server: The server (``S3Server`` / ``FakeGCSServer``; ``None`` for local).
-        upstream: The server's HTTP endpoint (``None`` for local).
+        server: The server (``S3Server`` / ``FakeGCSServer`` / ``AzuriteServer``;
+            ``None`` for local).
+        upstream: The server's HTTP endpoint (``None`` for local; Azurite's is the
+            server, ``http://127.0.0.1:<port>``, without the account's path).
     """
 
     name: str
@@ -90,12 +96,13 @@ class Store:
 
     @property
     def kind(self) -> str:
-        """``local``, ``s3``, ``gcs`` or ``msc``."""
+        """``local``, ``s3``, ``gcs``, ``msc`` or ``azure``."""
         return KINDS[self.name]
 
     @property
     def scheme(self) -> str:
-        return {"local": "file", "s3": "s3", "gcs": "gs", "msc": "msc"}[self.kind]
+        return {"local": "file", "s3": "s3", "gcs": "gs", "msc": "msc",
+                "azure": "az"}[self.kind]
 
     def uri(self, tag: str) -> str:
         """A fresh location under :attr:`root`."""
@@ -115,6 +122,9 @@ class Store:
         in the profile; dcpstore's ``max_attempts`` of the MSC backend come on top)."""
         if self.upstream is None:
             raise ValueError(f"the {self.name} store has no HTTP endpoint to put a proxy before")
+        if self.kind == "azure":  # Azurite serves the account path-style
+            return dataclasses.replace(self, options={
+                **self.options, "endpoint_url": f"{endpoint.rstrip('/')}/{AZURITE_ACCOUNT}"})
         if self.kind != "msc":
             return dataclasses.replace(self, options={**self.options, "endpoint_url": endpoint})
         # the same profile name (so the same URIs), from a config option over MSC_CONFIG
@@ -139,6 +149,13 @@ class Store:
         if self.kind == "gcs":
             names = gcs_object_names(self.upstream or "", bucket, prefix)
             return {name[len(prefix):] for name in names}
+        if self.kind == "azure":
+            container = self._container(bucket)
+            try:  # committed blobs only: staged, uncommitted blocks are not objects
+                return {b.name[len(prefix):] for b in container.list_blobs(
+                    name_starts_with=prefix)}
+            finally:
+                container.close()
         client = self.server.client()
         try:
             pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
@@ -147,10 +164,19 @@ class Store:
         finally:
             client.close()
 
+    def _container(self, container: str) -> Any:
+        """An SDK ``ContainerClient`` of Azurite (its connection string; no retries)."""
+        from azure.storage.blob import ContainerClient
+
+        return ContainerClient.from_connection_string(
+            self.server.connection_string(), container, retry_total=0)
+
     def uploads(self, uri: str) -> list[str]:
         """Unfinished multipart uploads under ``uri`` (S3 ``ListMultipartUploads``; local
-        files and GCS resumable uploads leave none that can be listed)."""
-        if self.kind in ("local", "gcs"):
+        files and GCS resumable uploads leave none that can be listed, and Azure's
+        uncommitted blocks are no object: they go at the blob's next commit or after 7
+        days)."""
+        if self.kind in ("local", "gcs", "azure"):
             return []
         bucket, prefix = self._bucket_prefix(uri)
         client = self.server.client()
@@ -182,6 +208,10 @@ def make_store(name: str, area: str, local_dir: Path, servers: dict[str, Any],
         # the profile carries the credentials; MSC_CONFIG reaches spawned ranks and the CLI
         return Store("msc", f"msc://{MSC_PROFILE}/{run}", {},
                      {"MSC_CONFIG": msc_config, **server.env()}, server, server.endpoint_url)
+    if name == "azure":
+        # the connection string (Azurite on 127.0.0.1 only) reaches spawned ranks and the CLI
+        return Store("azure", f"az://{BUCKET}/{run}", {}, server.env(), server,
+                     server.upstream)
     raise ValueError(f"unknown store {name!r}; one of {', '.join(STORE_NAMES)}")
 
 
@@ -198,7 +228,7 @@ def full_requested(config: pytest.Config) -> bool:
 
 
 _SERVER_FIXTURES = {"moto": "moto_s3", "seaweedfs": "seaweedfs_s3", "gcs": "gcs_server",
-                    "msc": "moto_s3"}
+                    "msc": "moto_s3", "azure": "azurite_blob"}
 
 
 def build_store(name: str, request: pytest.FixtureRequest, tmp_path: Path,

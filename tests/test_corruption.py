@@ -2,8 +2,8 @@
 
 Every object of a committed checkpoint (the data file, the integrity manifest
 ``.dcpstore-<save>.json`` and ``.metadata``) is damaged in turn on every store of the
-matrix (local disk, moto, SeaweedFS, fake-gcs-server, MSC over moto): a bit flipped at
-seeded random positions, the object truncated at a seeded length, or the object
+matrix (local disk, moto, SeaweedFS, fake-gcs-server, MSC over moto, Azurite): a bit
+flipped at seeded random positions, the object truncated at a seeded length, or the object
 deleted. What this file proves:
 
 - ``dcpstore.load`` and ``dcp.load`` with a dcpstore reader raise, with an error that

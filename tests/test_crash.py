@@ -18,9 +18,11 @@ direct ``overwrite=True`` save over an existing checkpoint. Afterwards:
   committed checkpoints' files, ``ListMultipartUploads`` is empty, the checkpoints
   still load bit-exact and ``verify`` passes; a second gc finds nothing.
 
-Quick run: 7 seeds per store (local, SeaweedFS). ``--full``: 48 seeds on local and
-SeaweedFS and 24 on moto. Set ``DCPSTORE_CRASH_REPORT=path.jsonl`` to get one line per
-run (crash point, outcome, what gc removed) for the reliability figures.
+Quick run: 7 seeds per store (local, SeaweedFS, Azurite). ``--full``: 48 seeds on
+local and SeaweedFS and 24 on moto and Azurite (whose staged, uncommitted blocks are no
+object: it has no dangling upload to list or abort). Set
+``DCPSTORE_CRASH_REPORT=path.jsonl`` to get one line per run (crash point, outcome, what
+gc removed) for the reliability figures.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 QUICK_SEEDS = 7
-FULL_SEEDS = {"local": 48, "seaweedfs": 48, "moto": 24}
+FULL_SEEDS = {"local": 48, "seaweedfs": 48, "moto": 24, "azure": 24}
 
 _RANK0_EVENTS = ["get", "list", "write_data:after", "open_upload:after",
                  "upload.commit:before", "upload.commit:after", "put:manifest:before",
@@ -72,19 +74,20 @@ _LOCAL_EVENTS = ["rename:metadata:before", "rename:metadata:after"]
 
 
 #: Small parts, so a data file is a multipart upload with parts to crash between.
-STORE_OPTIONS = {"s3": {"part_size": 5 * MiB}}
+STORE_OPTIONS = {"s3": {"part_size": 5 * MiB}, "azure": {"part_size": 5 * MiB}}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One test per (store, seed): 7 seeds per store by default, many with ``--full``.
 
-    Local and S3 stores only: the crash points include their own steps (the local
-    ``.metadata`` rename, S3 multipart parts), which GCS and MSC do not have.
+    Local, S3 and Azure stores only: the crash points include their own steps (the local
+    ``.metadata`` rename, multipart parts: S3 parts, Azure staged blocks), which GCS and
+    MSC do not have.
     """
     if "crash_seed" not in metafunc.fixturenames:
         return
     full = full_requested(metafunc.config)
-    stores = ["local", "seaweedfs", *(["moto"] if full else [])]
+    stores = ["local", "seaweedfs", "azure", *(["moto"] if full else [])]
     params = [(s, n) for s in stores for n in range(FULL_SEEDS[s] if full else QUICK_SEEDS)]
     metafunc.parametrize(("store_name", "crash_seed"), params,
                          ids=[f"{s}-seed{n}" for s, n in params])
@@ -103,7 +106,7 @@ def store(store_name: str, request: pytest.FixtureRequest, tmp_path: Path,
 def make_plan(seed: int, store: Store, uri: str) -> CrashPlan:
     """The crash of ``seed``: seeds 0-5 are fixed boundaries of the commit protocol, the
     others are drawn from the seed (scenario, victim, event / timer, files per rank)."""
-    s3 = store.server is not None
+    s3 = store.server is not None  # multipart parts (S3 parts, Azure blocks)
     curated: dict[int, tuple[str, int, str, str, float]] = {
         # coordinator dies after the manifest, right before the commit point
         0: ("checkpointer", 0, "named", "put:metadata:before", 0.0),

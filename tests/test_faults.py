@@ -1,7 +1,7 @@
 """Fault injection against real stores: a checkpoint loads exactly as saved or fails loudly.
 
-A :class:`dcpstore.testing.FaultProxy` sits between dcpstore and SeaweedFS S3, moto S3
-and fake-gcs-server and answers a share of the requests with throttling (503), server
+A :class:`dcpstore.testing.FaultProxy` sits between dcpstore and SeaweedFS S3, moto S3,
+fake-gcs-server and Azurite and answers a share of the requests with throttling (503), server
 errors (500), connection resets, truncated responses (the request *was* processed, the
 client cannot tell) and delays beyond the client's timeout, or stalls everything.
 What this file proves:
@@ -15,7 +15,7 @@ What this file proves:
 - a stalled store makes a 2-rank save fail on *every* rank, with a timeout error, within
   a bound derived from ``timeout x max_attempts`` (no rank hangs);
 - faults aimed at the commit step (manifest and ``.metadata`` PUT, S3
-  CompleteMultipartUpload, GCS compose) while overwriting: afterwards the new
+  CompleteMultipartUpload, GCS compose, Azure Put Block List) while overwriting: afterwards the new
   checkpoint or the previous one loads bit-exact and verifies, never a mix;
 - a ``.metadata`` PUT that lands but whose every answer is lost: the save reads it back
   and reports the commit (or, when even that cannot be told, raises but keeps the
@@ -90,9 +90,13 @@ def _via(store: Store, proxy: FaultProxy, **extra: Any) -> dict[str, Any]:
         opts.update(part_size=5 * MiB, addressing_style="path", connect_timeout=TIMEOUT)
     elif store.kind == "gcs":
         opts.update(part_size=256 * KiB, connect_timeout=TIMEOUT)
+    elif store.kind == "azure":  # its one timeout is the connect and the read timeout
+        opts.update(part_size=MiB)
     else:  # msc: its S3 profile sets the client's connect timeout
         opts.update(part_size=5 * MiB)
     opts.update(extra)
+    if store.kind == "azure":
+        opts.pop("connect_timeout", None)  # no such option: ``timeout`` covers connecting
     return opts
 
 
@@ -102,7 +106,7 @@ def _upstream(store: Store) -> str:
 
 
 #: The FaultProxy sits in front of an HTTP endpoint, which the local store lacks.
-HTTP_STORES = pytest.mark.parametrize("store", ["seaweedfs", "moto", "gcs", "msc"],
+HTTP_STORES = pytest.mark.parametrize("store", ["seaweedfs", "moto", "gcs", "msc", "azure"],
                                       indirect=True)
 
 
@@ -584,15 +588,16 @@ def _rank_save_load(rank: int, world_size: int, jobs: list[tuple[str, dict[str, 
 
 
 @pytest.fixture
-def all_stores(seaweedfs_s3: Any, moto_s3: Any, gcs_server: Any, tmp_path: Path,
-               monkeypatch: pytest.MonkeyPatch) -> list[Store]:
-    """Three stand-ins at once (for one set of spawned ranks: each store costs a
-    multi-rank save, so the S3 and GCS clients are covered and MSC, an S3 client too,
-    runs in the single-process tests). The environment holds SeaweedFS's credentials;
-    moto accepts any."""
-    servers = {"seaweedfs": seaweedfs_s3, "moto": moto_s3, "gcs": gcs_server}
+def all_stores(seaweedfs_s3: Any, moto_s3: Any, gcs_server: Any, azurite_blob: Any,
+               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Store]:
+    """Four stand-ins at once (for one set of spawned ranks: each store costs a
+    multi-rank save, so the S3, GCS and Azure clients are covered and MSC, an S3 client
+    too, runs in the single-process tests). The environment holds SeaweedFS's
+    credentials (moto accepts any) and Azurite's connection string."""
+    servers = {"seaweedfs": seaweedfs_s3, "moto": moto_s3, "gcs": gcs_server,
+               "azure": azurite_blob}
     stores = [make_store(name, "faults", tmp_path, servers, None) for name in servers]
-    isolate_env(monkeypatch, extra={**stores[2].env, **stores[0].env})
+    isolate_env(monkeypatch, extra={**stores[2].env, **stores[3].env, **stores[0].env})
     return stores
 
 
@@ -655,10 +660,10 @@ def test_stalled_store_fails_every_rank_in_bounded_time(all_stores: list[Store],
     """A store that accepts connections and never answers (everything, or only the data
     uploads): every rank raises a timeout error in bounded time; nothing hangs, nothing
     is committed."""
-    cases = [("seaweedfs", "everything"), ("gcs", "data")]
+    cases = [("seaweedfs", "everything"), ("gcs", "data"), ("azure", "everything")]
     if full_run:
         cases += [("moto", "everything"), ("seaweedfs", "data"), ("gcs", "everything"),
-                  ("moto", "data")]
+                  ("moto", "data"), ("azure", "data")]
     stores = {s.name: s for s in all_stores}
     # The failing request costs timeout x attempts (+ backoff); after a failure the
     # coordinator's cleanup may wait as long again when the store stalls that too.
@@ -704,6 +709,8 @@ def _is_commit_request(info: RequestInfo) -> bool:
         return True  # manifest and .metadata (S3 PUT, GCS upload POST)
     if info.method == "POST" and "uploadId=" in info.query:
         return True  # S3 CompleteMultipartUpload
+    if info.method == "PUT" and "comp=blocklist" in info.query:
+        return True  # Azure Put Block List
     return info.method == "POST" and info.path.endswith("/compose")  # GCS compose
 
 

@@ -22,7 +22,7 @@ local disk and on S3 (moto) this file proves:
   the save id (which names the manifest) is refused by load, verify, inspect and cp,
   ignored by gc, and harmless to an overwriting save; a sentinel object outside the
   checkpoint is intact afterwards, and every key that reached a storage primitive
-  stayed inside the checkpoint root.
+  (local paths, S3 keys, Azure blob names) stayed inside the checkpoint root.
 
 Complements ``tests/test_api.py`` (the basic local cases).
 """
@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcpstore_s3 import S3Backend
+from dcpstore_s3 import S3Store
 from stores import Store
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -54,9 +54,14 @@ import dcpstore
 from dcpstore.dcp import layout
 from dcpstore.dcp.manifest import FileRecord, Manifest, Payload, crc32c
 from dcpstore.dcp.safe_pickle import safe_loads
-from dcpstore.storage.local import LocalBackend
+from dcpstore.storage.local import LocalStore
 from dcpstore.storage.uri import validate_key
 from dcpstore.tools.ops import copy_checkpoint, gc, inspect_checkpoint, verify_checkpoint
+
+try:
+    from dcpstore_azure import AzureBlobStore
+except ImportError:  # the Azure plugin is optional (its store's tests skip without it)
+    AzureBlobStore = None
 
 SENTINEL = b"sentinel: must survive every hostile checkpoint"
 
@@ -143,14 +148,15 @@ def _guarded_sentinel(store: Store) -> Iterator[None]:
 
 @pytest.fixture
 def spy(store: Store, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Every key that reaches a storage primitive (local paths, S3 keys); the test fails
-    if one was unsafe or resolved outside its backend's root. It hooks the local and S3
-    backends' key-to-path functions, so on GCS and MSC it watches nothing (the
+    """Every key that reaches a storage primitive (local paths, S3 keys, Azure blob
+    names); the test fails if one was unsafe or resolved outside its backend's root. It
+    hooks the local, S3 and Azure backends' key-to-path functions (Azure: its blob
+    client per key, and its batch delete), so on GCS and MSC it watches nothing (the
     sentinel and ``_exercise``'s checks still run there)."""
     seen: list[str] = []
     escaped: list[str] = []
-    local_path = LocalBackend._path
-    s3_physical = S3Backend._physical
+    local_path = LocalStore._path
+    s3_physical = S3Store._physical
 
     def check(key: str, inside: bool) -> None:
         seen.append(key)
@@ -161,21 +167,39 @@ def spy(store: Store, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         if not inside:
             escaped.append(key)
 
-    def checked_path(self: LocalBackend, key: str) -> str:
+    def checked_path(self: LocalStore, key: str) -> str:
         path = local_path(self, key)
         root = os.path.realpath(self.location)
         check(key, os.path.realpath(path).startswith(root + os.sep))
         return path
 
-    def checked_physical(self: S3Backend, key: str) -> str:
+    def checked_physical(self: S3Store, key: str) -> str:
         physical = s3_physical(self, key)
         check(key, physical.startswith(self.root) and ".." not in physical.split("/"))
         return physical
 
-    monkeypatch.setattr(LocalBackend, "_path", checked_path)
-    monkeypatch.setattr(S3Backend, "_physical", checked_physical)
+    monkeypatch.setattr(LocalStore, "_path", checked_path)
+    monkeypatch.setattr(S3Store, "_physical", checked_physical)
+    if AzureBlobStore is not None:
+        azure_blob, azure_delete = AzureBlobStore._blob, AzureBlobStore.delete
+
+        def azure_check(self: Any, key: str) -> None:
+            name = self.root + key  # the blob name the plugin sends
+            check(key, name.startswith(self.root) and ".." not in name.split("/"))
+
+        def checked_blob(self: Any, key: str) -> Any:
+            azure_check(self, key)
+            return azure_blob(self, key)
+
+        def checked_delete(self: Any, keys: Any) -> None:
+            for key in keys:
+                azure_check(self, key)
+            azure_delete(self, keys)
+
+        monkeypatch.setattr(AzureBlobStore, "_blob", checked_blob)
+        monkeypatch.setattr(AzureBlobStore, "delete", checked_delete)
     yield seen
-    if store.kind in ("local", "s3"):
+    if store.kind in ("local", "s3", "azure"):
         assert seen, "no storage request was observed"
     assert escaped == [], f"keys outside the checkpoint root reached storage: {escaped}"
 

@@ -230,7 +230,7 @@ class LocalStore(ObjectStore):
     options: LocalOptions
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.location, *key.split("/")) if key else self.location
+        return os.path.join(self.location, *key.split("/"))
 
     def _fsync_dir(self, path: str) -> None:
         if not self.options.fsync:
@@ -286,7 +286,7 @@ class LocalStore(ObjectStore):
              delimiter: str | None = None) -> Iterator[ObjectInfo | str]:
         # only the directory the prefix lies in is read, not the whole root
         head, _, tail = prefix.rpartition("/")
-        start = self._path(head)
+        start = self._path(head) if head else self.location
         base = f"{head}/" if head else ""
         if delimiter is None:
             return self._walk(start, base, prefix)

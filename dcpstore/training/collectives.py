@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 import torch.distributed as dist
 
 from dcpstore.dcp.dist import is_distributed
-from dcpstore.errors import DcpstoreError
+from dcpstore.errors import decode_error, encode_error
 
 __all__ = ["Collectives"]
 
@@ -95,7 +95,8 @@ class Collectives:
         everywhere else) with every rank.
 
         No rank is left waiting in a collective: the rank that ran ``fn`` raises its
-        error, every other rank a :class:`~dcpstore.errors.DcpstoreError` that says
+        error, every other rank the same kind of error (class, ``errno`` and request id
+        kept: :func:`~dcpstore.errors.decode_error`), its message prefixed by
         ``failure``.
         """
         answer: tuple[str, Any] | None = None
@@ -105,14 +106,14 @@ class Collectives:
                 answer = ("ok", fn())
             except BaseException as exc:
                 error = exc
-                answer = ("err", f"{type(exc).__name__}: {exc}")
+                answer = ("err", encode_error(exc))
         answer = self.broadcast(answer, group)
         assert answer is not None
         if answer[0] == "ok":
             return answer[1]
         if error is not None:
             raise error
-        raise DcpstoreError(f"{failure} ({answer[1]}); see the coordinator's log")
+        raise decode_error(answer[1], f" ({failure}; see the coordinator's log)")
 
     def _or_default(self, group: Any) -> Any:
         return self.group if group is None else group
