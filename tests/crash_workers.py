@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import dcpstore
+import dcpstore.dcp.data_file
 import dcpstore.dcp.writer
 import dcpstore.storage.local
 import dcpstore.storage.multipart
@@ -288,7 +289,7 @@ def _around(owner: Any, attr: str, before: Callable[..., str | None],
 def install_crash_hooks() -> None:
     """Patch the library's I/O entry points of this process with tripwire ticks."""
     _around(dcpstore.dcp.writer.Writer, "write_data", lambda *a, **k: "write_data")
-    _around(dcpstore.dcp.writer._ChecksumStream, "write", lambda *a, **k: "stream.write",
+    _around(dcpstore.dcp.data_file._ChecksumStream, "write", lambda *a, **k: "stream.write",
             after=False)
     _around(Backend, "open_upload", lambda *a, **k: "open_upload")
     _around(Backend, "put", lambda self, key, *a, **k: f"put:{_put_kind(key)}")

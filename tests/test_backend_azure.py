@@ -9,6 +9,7 @@ error, never skip.
 
 from __future__ import annotations
 
+import http.client
 import io
 import logging
 import os
@@ -21,18 +22,24 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import requests.exceptions
 import torch
 import torch.distributed.checkpoint as dcp
+import urllib3.exceptions
+import urllib3.response
 from azure.core.exceptions import (
     ClientAuthenticationError,
+    DecodeError,
     HttpResponseError,
+    IncompleteReadError,
     ResourceModifiedError,
     ResourceNotFoundError,
     ServiceRequestError,
+    ServiceResponseError,
     ServiceResponseTimeoutError,
 )
 from azure.storage.blob import BlobServiceClient
-from dcpstore_azure import AzureBlobStore, AzureOptions
+from dcpstore_azure import AzureBlobStore, AzureOptions, _rawget
 from dcpstore_azure.store import _block_id
 
 import dcpstore
@@ -47,6 +54,7 @@ from dcpstore.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from dcpstore.storage.backend import ReadRange
 from dcpstore.storage.store_backend import StoreBackend
 from dcpstore.testing import BackendConformance, FaultPlan, FaultProxy, HTTPEndpoint
 from dcpstore.testing.azurite import (
@@ -224,6 +232,103 @@ def test_sdk_retries_are_off(azurite: AzuriteServer) -> None:
             be.get("k")
         be.close()
         assert proxy.snapshot().faults["503"] == 1
+
+
+def _cut(exc: BaseException) -> HttpResponseError:
+    """What the SDK's downloader raises after its own retries: status-less, ``exc`` inside."""
+    outer = HttpResponseError(exc, error=exc)
+    outer.__cause__ = exc
+    return outer
+
+
+@pytest.mark.parametrize(("exc", "kind"), [
+    (IncompleteReadError("cut"), StoreUnavailableError),
+    (DecodeError("bad body"), StoreUnavailableError),
+    (ServiceResponseError("reset"), StoreUnavailableError),
+    (_cut(IncompleteReadError("cut")), StoreUnavailableError),
+    (_cut(DecodeError("bad body")), StoreUnavailableError),
+    (_cut(ServiceResponseError("reset")), StoreUnavailableError),
+    (_cut(ServiceResponseTimeoutError("slow")), StoreTimeoutError),
+    (_cut(requests.exceptions.ChunkedEncodingError("x")), StoreUnavailableError),
+    (http.client.IncompleteRead(b"", 1), StoreUnavailableError),
+    (urllib3.exceptions.ProtocolError("Connection broken"), StoreUnavailableError),
+    (urllib3.exceptions.ReadTimeoutError(None, "/", "read timed out"), StoreTimeoutError),
+    (requests.exceptions.ConnectionError("reset"), StoreUnavailableError),
+    (requests.exceptions.ChunkedEncodingError("cut"), StoreUnavailableError),
+    (requests.exceptions.ReadTimeout("slow"), StoreTimeoutError),
+])
+def test_broken_reads_are_retryable(exc: Exception, kind: type[StoreError]) -> None:
+    """A cut body or connection, bare or inside the SDK's status-less error: retryable."""
+    mapped = AzureBlobStore("ctr/run").map_error(exc, "k.distcp")
+    assert mapped is not None and type(mapped) is kind, (exc, mapped)
+    assert mapped.retryable and "az://ctr/run/k.distcp" in str(mapped)
+
+
+def test_broken_reads_are_decided_by_type_not_text() -> None:
+    store = AzureBlobStore("ctr/run")
+    text = "('Connection broken: IncompleteRead(0 bytes read, 1 more expected)', ...)"
+    assert store.map_error(HttpResponseError(text), "k") is None  # no status, no cause
+    assert store.map_error(_cut(ValueError(text)), "k") is None
+    assert store.map_error(ValueError(text), "k") is None
+
+
+def test_read_is_one_request_into_the_buffers(azurite: AzuriteServer) -> None:
+    """Scatter reads (any buffer format), whole-object reads, short objects and ranges
+    past the end; every read is one GET, and a finished one hands its connection back."""
+    with FaultProxy(azurite.upstream) as proxy:
+        be = dcpstore.open_backend(_uri("reads"), endpoint_url=f"{proxy.endpoint_url}/{ACCOUNT}",
+                                   max_attempts=1)
+        store: AzureBlobStore = be.store
+        data = os.urandom(3 * PART + 5)
+        be.put("k", data)
+        be.put("empty", b"")
+        proxy.reset_stats()
+        head, body = bytearray(7), torch.zeros(PART // 4, dtype=torch.float32)
+        assert store.read("k", 11, [memoryview(head), memoryview(body.numpy())]) is None
+        assert bytes(head) == data[11:18] and body.numpy().tobytes() == data[18:18 + PART]
+        assert store.read("k") == data and store.read("k", PART) == data[PART:]
+        assert store.read("empty") == b""
+        with pytest.raises(EOFError):
+            store.read("k", len(data) - 3, [memoryview(bytearray(4))])
+        with pytest.raises(EOFError):
+            store.read("k", len(data) + 10, [memoryview(bytearray(4))])
+        assert proxy.snapshot().total_requests == 6  # one GET per read, no retry
+        proxy.plan = FaultPlan(rate=1.0, kinds=("truncate",), match=lambda i: i.kind == "GET")
+        proxy.reset_stats()
+        with pytest.raises(StoreUnavailableError):
+            be.get("k")
+        with pytest.raises(StoreUnavailableError):
+            list(be.read_ranges([ReadRange("k", 5, PART)]))
+        assert proxy.snapshot().faults["truncate"] == 2  # max_attempts=1: one GET each
+        be.close()
+
+
+def test_rawget_internals_match_the_pinned_sdk(azurite: AzuriteServer) -> None:
+    """The internals _rawget leans on (see its docstring) are there: the generated Get
+    Blob, and the http.client response under urllib3's, read straight from the socket;
+    an SDK upgrade that changes them fails here, not silently (slower or retrying)."""
+    be = dcpstore.open_backend(_uri("rawget"))
+    be.put("k", b"0123456789")
+    blob = be.store._blob("k")
+    assert callable(blob._client.blob.download)
+    response = _rawget.get(blob, "bytes=2-5")
+    assert response.status_code == 206
+    raw = response.internal_response.raw
+    assert isinstance(raw, urllib3.response.HTTPResponse)
+    assert _rawget.direct_response(response) is raw._fp  # the zero-copy path is taken
+    out = bytearray(8)
+    assert _rawget.readinto(response, memoryview(out)) == 4 and out[:4] == b"2345"
+    assert raw._fp_bytes_read == 4 and raw.length_remaining == 0
+    assert raw._connection is None  # handed back to the pool
+    assert _rawget.readinto(response, memoryview(out)) == 0
+    response = _rawget.get(blob, None)
+    raw = response.internal_response.raw
+    assert _rawget.direct_response(response) is raw._fp
+    assert _rawget.read_all(response) == b"0123456789" and raw._connection is None
+    with pytest.raises(HttpResponseError) as info:
+        _rawget.get(blob, "bytes=100-")
+    assert info.value.status_code == 416
+    be.close()
 
 
 # -- credentials ------------------------------------------------------------------------------

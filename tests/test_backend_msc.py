@@ -34,7 +34,7 @@ from dcpstore.testing import (
     assert_state_equal,
     many_dtypes_state,
 )
-from dcpstore.testing.faultproxy import FaultProxy
+from dcpstore.testing.faultproxy import FaultPlan, FaultProxy
 
 msc = pytest.importorskip("multistorageclient")
 
@@ -480,3 +480,18 @@ def test_read_chunk_option(msc_env: MSCEnv, monkeypatch: pytest.MonkeyPatch) -> 
     for bad in (0, -1):
         with pytest.raises(ValueError, match="read_chunk must be > 0"):
             dcpstore.open_backend(uri, read_chunk=bad)
+
+
+def test_retries_are_dcpstores_alone(s3_store: tuple[S3Server, str]) -> None:
+    """MSC's own retry layer and botocore's inside its S3 provider are set to one attempt:
+    a store that answers 503 to every PUT sees exactly ``max_attempts`` requests (not
+    ``max_attempts x`` MSC's attempts ``x`` botocore's), then the failure kind."""
+    s3, bucket = s3_store
+    plan = FaultPlan(rate=1.0, kinds=("503",), match=lambda info: info.method == "PUT")
+    with FaultProxy(s3.endpoint_url, plan) as proxy:
+        be = _counting_backend(s3, bucket, proxy, max_attempts=4, retry_backoff=0.01)
+        proxy.reset_stats()
+        with pytest.raises(OSError):
+            be.put("obj", b"x" * 100)
+        assert proxy.snapshot().requests["PUT"] == 4
+        be.close()

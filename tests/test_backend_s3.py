@@ -34,7 +34,7 @@ from test_multipart import _odd_writes
 
 import dcpstore
 import dcpstore.dcp.api
-import dcpstore.dcp.writer
+import dcpstore.dcp.data_file
 from dcpstore.storage import registry
 from dcpstore.storage.backend import ReadRange
 from dcpstore.storage.multipart import PartBuffers
@@ -668,7 +668,7 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
         return original_create(self, key)
 
     prepared = 0
-    original_prepare = dcpstore.dcp.writer._prepare_tensor
+    original_prepare = dcpstore.dcp.data_file._prepare_tensor
 
     def prepare(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal prepared
@@ -678,7 +678,7 @@ def test_interrupted_save_leaves_nothing(s3: S3Server, monkeypatch: pytest.Monke
         return original_prepare(tensor)
 
     monkeypatch.setattr(S3Store, "start_upload", create)
-    monkeypatch.setattr(dcpstore.dcp.writer, "_prepare_tensor", prepare)
+    monkeypatch.setattr(dcpstore.dcp.data_file, "_prepare_tensor", prepare)
     with pytest.raises(RuntimeError, match="mid-write"):
         # one 16 MiB file: its first 8 MiB are parts of a multipart upload by the crash
         dcpstore.save(state, uri, files_per_rank=1, **_opts(s3))

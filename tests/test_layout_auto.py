@@ -24,7 +24,8 @@ from typing_extensions import Buffer
 
 import dcpstore
 from dcpstore.dcp import layout
-from dcpstore.dcp.writer import Writer, _item_nbytes, _pack_items
+from dcpstore.dcp.packing import _item_nbytes, _pack_items
+from dcpstore.dcp.writer import Writer
 from dcpstore.storage.backend import BackendOptions, ObjectInfo, Upload
 from dcpstore.storage.options import AUTO_MAX_FILES, WriterOptions, resolve_options
 from dcpstore.testing import MemoryBackend

@@ -1,8 +1,15 @@
-"""The backend contract: a narrow object-store interface every backend implements.
+"""The framework's internal base of every backend: the object-store view the DCP adapter uses.
+
+:class:`Backend` is not what a storage plugin implements: plugins implement the public
+contract of :mod:`dcpstore.storage.contract` (import it from :mod:`dcpstore.plugin`; see
+``docs/writing-a-backend.md``), and the framework wraps each in a ``Backend``
+(:class:`~dcpstore.storage.store_backend.StoreBackend`). This module is that framework
+base: what the generic :class:`~dcpstore.Writer` and :class:`~dcpstore.Reader`, the
+Checkpointer and the tools see of any store.
 
 A backend is rooted at one *location* (a local directory, ``bucket/prefix``) and
-speaks in keys relative to it. The generic :class:`~dcpstore.Writer` and
-:class:`~dcpstore.Reader` only ever call the public methods below, in this order:
+speaks in keys relative to it. The DCP adapter only ever calls the public methods below,
+in this order:
 
 Save (every rank)::
 
@@ -29,67 +36,41 @@ Housekeeping (CLI, Checkpointer, coordinator): ``list(prefix)``, ``list_dirs(pre
 (one level, a delimiter listing), ``stat``, ``delete``,
 ``list_uploads`` / ``abort_uploads``, ``remove_empty_dirs``; ``close`` at the end.
 
-Implementers override the primitives; each public method validates its keys, runs its
-primitive through :meth:`Backend._call` (retries, then one translation) and nothing else:
-
-=============================================  ==========================================
-primitive                                      public method(s)
-=============================================  ==========================================
-``_open_upload(key) -> Upload``                ``open_upload``
-``_read_into(key, offset, outs)``              ``read_ranges`` (one call per range)
-``_put(key, data, *, atomic)``                 ``put``
-``_get(key) -> bytes``                         ``get``
-``_stat(key) -> ObjectInfo``                   ``stat``, ``exists``
-``_list(prefix) -> Iterator[ObjectInfo]``      ``list``
-``_list_dirs(prefix, start_after)``          ``list_dirs`` (default: from ``_list``)
-``_delete(keys)``                              ``delete``
-``_list_uploads(prefix)`` (multipart stores)   ``list_uploads``
-``_abort_upload(key, upload_id)`` (idem)       ``abort_uploads`` (one call per upload)
-``_classify(exc, key) -> Failure | None``      every one: retry or not, what to raise
-``_make_client() -> Any``                      the lazy :attr:`Backend.client`
-=============================================  ==========================================
-
-Errors: every exception a primitive raises is classified *once*
-(:meth:`Backend._failure`): a :class:`~dcpstore.DcpstoreError` passes unchanged and
-is never retried; an ``EOFError`` (a short object) becomes an ``OSError`` (``EIO``);
-anything else goes to the backend's :meth:`Backend._classify`, and where that returns
-``None``, ``ConnectionError`` / ``TimeoutError`` are retryable and everything else is
-raised unchanged. The same :class:`Failure` decides whether tenacity retries (exponential
-backoff, full jitter, ``max_attempts``) and, once it stops, what the caller sees.
-
-State: the client (made by ``_make_client`` on first use of :attr:`Backend.client`),
-the worker pool and other lazily created per-backend state (the multipart module's
-part buffers and upload slots) are dropped when a backend is pickled and by
-:meth:`Backend.close`, and made again on use; every ``threading.Lock`` / ``RLock``
-attribute is recreated after unpickling. So backends are picklable
-(``dcp.async_save`` in process mode) without ``__getstate__`` of their own.
+Inside the framework, each public method validates its keys and runs one private
+primitive (``_open_upload``, ``_read_into``, ``_put``, ``_get``, ``_stat``, ``_list``,
+``_list_dirs``, ``_delete``, ``_list_uploads``, ``_abort_upload``) through
+:meth:`Backend._call`: retries, then the one error classification
+(:mod:`dcpstore.storage.retry`, with the subclass's ``_classify``). The framework's
+subclasses fill the primitives in: :class:`~dcpstore.storage.store_backend.StoreBackend`
+from a plugin's :class:`~dcpstore.storage.contract.ObjectStore`, and the test doubles of
+:mod:`dcpstore.testing`. ``read_ranges``' concurrent scatter reads are
+:mod:`dcpstore.storage.reads`; the lazy per-process state (client, worker pool,
+concurrency limits), pickling and ``close`` are :mod:`dcpstore.storage.lifecycle`; the
+value types (:class:`ObjectInfo`, :class:`ReadRange`, :class:`Failure`,
+:class:`BackendOptions`, :class:`Upload`) are :mod:`dcpstore.storage.types`, re-exported
+here.
 """
 
 from __future__ import annotations
 
 import abc
 import builtins
-import errno
-import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-import numpy
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
+from dcpstore.errors import InvalidURIError
+from dcpstore.storage.concurrency import ConcurrencyLimit
+from dcpstore.storage.lifecycle import BackendLifecycle
+from dcpstore.storage.reads import scatter_reads
+from dcpstore.storage.retry import call_with_retries, classify_failure
+from dcpstore.storage.types import (
+    BackendOptions,
+    Failure,
+    ObjectInfo,
+    ReadRange,
+    Upload,
+    uninitialized_buffer,
 )
-from typing_extensions import Buffer
-
-from dcpstore.errors import DcpstoreError, InvalidURIError, StoreThrottledError
-from dcpstore.storage.clients import shared_clients
-from dcpstore.storage.concurrency import ConcurrencyLimit, learnt_limits
 from dcpstore.storage.uri import ParsedURI, validate_key
 
 __all__ = [
@@ -99,151 +80,15 @@ __all__ = [
     "ObjectInfo",
     "ReadRange",
     "Upload",
+    "uninitialized_buffer",
 ]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_LOCK_TYPES: dict[type, Callable[[], Any]] = {
-    type(threading.Lock()): threading.Lock,
-    type(threading.RLock()): threading.RLock,
-}
-#: Key of the client in ``Backend._resources``.
-_CLIENT = "client"
-#: Key of the shared client's cache key in ``Backend._resources``.
-_CLIENT_KEY = "client-key"
 
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What a backend knows about one stored object.
-
-    Attributes:
-        key: Key relative to the backend root.
-        size: Size in bytes.
-        mtime: Last modification time (seconds since the epoch) if known.
-    """
-
-    key: str
-    size: int
-    mtime: float | None = None
-
-
-@dataclass(frozen=True)
-class ReadRange:
-    """One byte range to fetch: ``length`` bytes of ``key`` starting at ``offset``."""
-
-    key: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class Failure:
-    """How one exception raised by a primitive is handled (see :meth:`Backend._classify`).
-
-    Attributes:
-        error: What the caller sees once retrying stops: a Python exception
-            (``FileNotFoundError``, ``PermissionError``, ``FileExistsError``,
-            ``ConnectionError``, ``OSError``) or a dcpstore one
-            (:class:`~dcpstore.errors.BucketNotFoundError`,
-            :class:`~dcpstore.errors.StoreTimeoutError`,
-            :class:`~dcpstore.errors.StoreThrottledError`), with the store's request id in
-            the message and never a secret; the original exception itself to re-raise it
-            unchanged. It is raised ``from`` the original.
-        retryable: Whether the failure is transient (throttling, 5xx, timeouts, dropped
-            connections): the request is tried again, up to ``max_attempts``.
-    """
-
-    error: BaseException
-    retryable: bool = False
-
-
-@dataclass
-class BackendOptions:
-    """Options every backend understands. Backends subclass this with their own.
-
-    Attributes:
-        max_concurrency: Most requests in flight at once per process, for upload parts
-            and for ranged reads each: the ceiling of the adaptive limit and what the
-            memory bound is computed from.
-        adaptive_concurrency: Adapt the requests in flight to what the store sustains,
-            between 1 and ``max_concurrency`` (see :mod:`dcpstore.storage.concurrency`): grow
-            while throughput grows, back off on latency growth and throttling. ``False``:
-            always ``max_concurrency`` in flight (the fixed behaviour).
-        part_size: Bytes per upload part / write chunk.
-        multipart_threshold: An object of unknown size up to this many bytes (and at
-            least ``part_size``) is stored with one request, from one buffer; larger
-            ones go up in parts. 0: ``part_size``.
-        timeout: Seconds before a single request is abandoned (then retried).
-        max_attempts: Attempts per request, the first included.
-        retry_backoff: Base of the exponential backoff between attempts, in seconds.
-        retry_backoff_max: Cap of a single backoff sleep, in seconds.
-    """
-
-    max_concurrency: int = 8
-    adaptive_concurrency: bool = True
-    part_size: int = 32 * 1024 * 1024
-    multipart_threshold: int = 0
-    timeout: float = 60.0
-    max_attempts: int = 5
-    retry_backoff: float = 0.2
-    retry_backoff_max: float = 10.0
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` for values that make no sense."""
-        if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.part_size < 1:
-            raise ValueError(f"part_size must be >= 1, got {self.part_size}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-
-
-class Upload(abc.ABC):
-    """A streaming upload of one object.
-
-    Call :meth:`write` any number of times, then exactly one of :meth:`commit` or
-    :meth:`abort`. Until ``commit`` returns, the object is not visible under its key
-    (object stores) or is visible only under its final, unique name with no reader
-    referencing it (local files). ``write`` may block while earlier parts are in flight
-    (that is the memory bound); it never keeps a reference to ``data`` after returning.
-    """
-
-    key: str
-
-    @abc.abstractmethod
-    def write(self, data: Buffer) -> int:
-        """Append ``data``; return the number of bytes taken (always ``len(data)``)."""
-
-    def expect_size(self, nbytes: int) -> None:
-        """Announce, before the first :meth:`write`, that the object will hold about
-        ``nbytes``: a backend may then store it with fewer requests (see
-        :meth:`Backend.upload_memory`). A hint only: more or fewer bytes may follow.
-        The default ignores it."""
-        return None
-
-    @abc.abstractmethod
-    def commit(self) -> ObjectInfo:
-        """Finish the upload durably and return what was stored."""
-
-    @abc.abstractmethod
-    def abort(self) -> None:
-        """Discard everything written; safe to call more than once and after errors."""
-
-    def __enter__(self) -> Upload:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self.abort()
-
-
-class Backend(abc.ABC):
-    """Base class of storage backends. See the module docstring for the contract.
+class Backend(BackendLifecycle):
+    """The framework's base of every backend (see the module docstring); plugins
+    implement :mod:`dcpstore.plugin`'s contract instead.
 
     Args:
         location: Where the backend is rooted (absolute path or ``bucket/prefix``).
@@ -273,11 +118,7 @@ class Backend(abc.ABC):
         self.location = location
         self.options = options if options is not None else self.Options()
         self.options.validate()
-        self._state_lock = threading.RLock()
-        self._pool: ThreadPoolExecutor | None = None
-        #: State made on first use (the client, the multipart module's part buffers
-        #: and upload slots): dropped when pickled and by :meth:`close`.
-        self._resources: dict[str, Any] = {}
+        super().__init__()
 
     # -- description -----------------------------------------------------------------
 
@@ -298,87 +139,7 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
-    # -- lifecycle: lazy state, pickling, close ----------------------------------------
-
-    @property
-    def client(self) -> Any:
-        """The store's client, made by :meth:`_make_client` on first use (thread-safe),
-        shared by the backend's threads; dropped when pickled and by :meth:`close`.
-        Backends with equal :meth:`_client_key` share one client per process
-        (:mod:`dcpstore.storage.clients`)."""
-        return self._lazy(_CLIENT, self._acquire_client)
-
-    def _client_key(self) -> Any:
-        """What makes this backend's client interchangeable with another's: backends
-        whose keys are equal share one client per process. ``None`` (the default): a
-        client of its own. A key holds everything the client is made from (endpoint,
-        client settings, the credential environment, hashed), never a secret."""
-        return None
-
-    def _acquire_client(self) -> Any:
-        key = self._client_key()
-        if key is None:
-            return self._make_client()
-        key = (type(self), key)
-        client = shared_clients.acquire(key, self._make_client, self._close_client)
-        self._resources[_CLIENT_KEY] = key  # called under _state_lock, by _lazy
-        return client
-
-    def _lazy(self, name: str, factory: Callable[[], T]) -> T:
-        """The per-backend state ``name``, made by ``factory`` on first use (double-checked
-        locking); dropped when the backend is pickled and by :meth:`close`."""
-        value = self._resources.get(name)
-        if value is None:
-            with self._state_lock:
-                value = self._resources.get(name)
-                if value is None:
-                    value = self._resources[name] = factory()
-        return value
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pool"] = None
-        state["_resources"] = {}
-        locks = {name: kind for name, value in state.items()
-                 if (kind := type(value)) in _LOCK_TYPES}
-        for name in locks:
-            del state[name]
-        state["__dcpstore_locks__"] = {name: _LOCK_TYPES[kind] is threading.RLock
-                                       for name, kind in locks.items()}
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        locks: dict[str, bool] = state.pop("__dcpstore_locks__", {})
-        self.__dict__.update(state)
-        for name, reentrant in locks.items():
-            setattr(self, name, threading.RLock() if reentrant else threading.Lock())
-
-    def close(self) -> None:
-        """Release threads, the client and idle upload buffers; the backend stays usable
-        (they are made again on use). A shared client goes back to the process's cache
-        (:mod:`dcpstore.storage.clients`), and where the adaptive concurrency limits settled is
-        kept for the next backend on the same store."""
-        with self._state_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        with self._state_lock:
-            resources, self._resources = self._resources, {}
-        key = resources.get(_CLIENT_KEY)
-        if key is not None:  # the next backend on this store starts where these settled
-            for direction in ("upload", "read"):
-                limit = resources.get(f"concurrency-{direction}")
-                if limit is not None:
-                    learnt_limits.remember(key, direction, limit)
-        client = resources.get(_CLIENT)  # buffers still in use go back to dropped pools
-        if client is not None and (key is None or not shared_clients.release(key, client)):
-            try:
-                self._close_client(client)
-            except Exception as exc:  # closing must never fail a caller
-                logger.debug("%s: closing the client failed: %s", self.uri, exc)
-
-    # -- primitives (override) -----------------------------------------------------
+    # -- primitives (the framework's subclasses fill them in) ------------------------
 
     @abc.abstractmethod
     def _open_upload(self, key: str) -> Upload:
@@ -419,14 +180,6 @@ class Backend(abc.ABC):
         retried, anything else is raised unchanged. ``DcpstoreError`` and ``EOFError``
         never reach this method.
         """
-        return None
-
-    def _make_client(self) -> Any:
-        """Create the store's client (called once, under a lock, by :attr:`client`)."""
-        raise NotImplementedError(f"{type(self).__name__} uses no client")
-
-    def _close_client(self, client: Any) -> None:
-        """Release a client :meth:`close` dropped (default: nothing; it is garbage)."""
         return None
 
     def _list_dirs(self, prefix: str, start_after: str) -> Iterable[str]:
@@ -591,163 +344,23 @@ class Backend(abc.ABC):
             raise ValueError("read_ranges: one buffer per range is required")
         if not ranges:
             return iter(())
-        return self._read_ranges(ranges, buffers)
-
-    def _read_ranges(
-        self,
-        ranges: Sequence[ReadRange],
-        buffers: Sequence[memoryview | Sequence[memoryview]] | None,
-    ) -> Iterator[tuple[int, Any]]:
-        gate = self._concurrency("read")
-
-        def fetch(i: int) -> tuple[int, Any]:
-            r = ranges[i]
-            out = buffers[i] if buffers is not None else uninitialized_buffer(r.length)
-            if isinstance(out, memoryview):
-                if len(out) != r.length:
-                    raise ValueError(f"read_ranges: buffer {i} holds {len(out)} bytes, "
-                                     f"range is {r.length}")
-                outs: Sequence[memoryview] = (out,)
-            else:
-                if sum(len(o) for o in out) != r.length:
-                    raise ValueError(f"read_ranges: buffers {i} do not add up to {r.length}")
-                outs = out
-            if r.length:
-                started = gate.acquire()
-                assert started is not None  # a blocking acquire without timeout
-                ok = False
-                try:
-                    self._call(self._read_into, r.key, r.offset, outs, key=r.key,
-                               concurrency=gate)
-                    ok = True
-                finally:
-                    gate.release(started, r.length if ok else 0, ok=ok)
-            return i, out
-
-        if len(ranges) == 1 or self.options.max_concurrency == 1:
-            for i in range(len(ranges)):
-                yield fetch(i)
-            return
-        pool = self._executor()
-        pending: set[Future[tuple[int, Any]]] = set()
-        next_index = 0
-        try:
-            while next_index < len(ranges) or pending:
-                while next_index < len(ranges) and len(pending) < gate.limit:
-                    pending.add(pool.submit(fetch, next_index))
-                    next_index += 1
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    yield fut.result()
-        finally:
-            for fut in pending:
-                fut.cancel()
-            wait(pending)
+        return scatter_reads(self, ranges, buffers)
 
     # -- machinery -------------------------------------------------------------------
 
-    def _concurrency(self, direction: str) -> ConcurrencyLimit:
-        """The limit on requests in flight of ``direction`` (``"upload"``: multipart
-        parts, ``"read"``: ranged reads), shared by the backend's uploads or reads, made
-        on first use (dropped when pickled and by :meth:`close`)."""
-        o = self.options
-
-        def make() -> ConcurrencyLimit:
-            key = self._client_key() if o.adaptive_concurrency else None
-            start = None if key is None else learnt_limits.recall((type(self), key),
-                                                                   direction)
-            if start is None and direction == "read":
-                # no slow start for reads: the ceiling bounds their buffers either way
-                start = o.max_concurrency
-            return ConcurrencyLimit(o.max_concurrency, adaptive=o.adaptive_concurrency,
-                                    initial=start, name=f"{self.uri} {direction}")
-
-        return self._lazy(f"concurrency-{direction}", make)
-
-    def concurrency_figures(self) -> dict[str, dict[str, Any]]:
-        """What the concurrency limits did since they were made (see
-        :meth:`~dcpstore.storage.concurrency.ConcurrencyLimit.figures`), by direction
-        (``"upload"``, ``"read"``); a direction not used yet is absent."""
-        out: dict[str, dict[str, Any]] = {}
-        for direction in ("upload", "read"):
-            limit = self._resources.get(f"concurrency-{direction}")
-            if limit is not None:
-                out[direction] = limit.figures()
-        return out
-
-    def _executor(self) -> ThreadPoolExecutor:
-        """Shared worker pool of this backend (created on first use)."""
-        with self._state_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.options.max_concurrency,
-                    thread_name_prefix=f"dcpstore-{self.name}",
-                )
-            return self._pool
-
     def _failure(self, exc: Exception, key: str | None) -> Failure:
-        """Classify ``exc`` once (see the module docstring)."""
-        if isinstance(exc, DcpstoreError):
-            return Failure(exc)
-        if isinstance(exc, EOFError):
-            message = str(exc) or "the object ends before the requested range"
-            if key is not None and key not in message:
-                message = f"{key}: {message}"
-            return Failure(OSError(errno.EIO, message))
-        failure = self._classify(exc, key)
-        if failure is not None:
-            return failure
-        return Failure(exc, retryable=isinstance(exc, (ConnectionError, TimeoutError)))
+        """Classify ``exc`` once (see :func:`~dcpstore.storage.retry.classify_failure`)."""
+        return classify_failure(exc, key, self._classify)
 
     def _call(self, fn: Callable[..., T], *args: Any, key: str | None = None,
               concurrency: ConcurrencyLimit | None = None, **kwargs: Any) -> T:
-        """Run one request with retries, then raise what its classification says.
+        """Run one request with retries, then raise what its classification says (see
+        :func:`~dcpstore.storage.retry.call_with_retries`).
 
         ``concurrency``: the limit whose slot the request holds; every attempt the store
         throttled (a :class:`~dcpstore.errors.StoreThrottledError` by the backend's one
         classification) is reported to it.
         """
-        o = self.options
-        last: dict[str, tuple[BaseException, Failure]] = {}  # the retry predicate's
-
-        def failure_of(exc: BaseException) -> Failure:
-            seen = last.get("exc")
-            if seen is not None and seen[0] is exc:
-                return seen[1]
-            failure = self._failure(exc, key) if isinstance(exc, Exception) else Failure(exc)
-            last["exc"] = (exc, failure)
-            if concurrency is not None and isinstance(failure.error, StoreThrottledError):
-                concurrency.throttled()
-            return failure
-
-        def log_retry(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            logger.warning(
-                "%s: attempt %d/%d failed (%s); retrying", self.uri, state.attempt_number,
-                o.max_attempts, _describe(exc),
-            )
-
-        retrying = Retrying(
-            stop=stop_after_attempt(o.max_attempts),
-            wait=wait_random_exponential(multiplier=o.retry_backoff, max=o.retry_backoff_max),
-            retry=retry_if_exception(lambda exc: failure_of(exc).retryable),
-            before_sleep=log_retry,
-            reraise=True,
-        )
-        try:
-            return retrying(fn, *args, **kwargs)
-        except Exception as exc:
-            error = failure_of(exc).error
-            if error is exc:
-                raise
-            raise error from exc
-
-
-def uninitialized_buffer(nbytes: int) -> memoryview:
-    """A writable byte buffer of ``nbytes`` that is not zero-filled first (it is about
-    to be overwritten; ``bytearray(n)`` would write every byte twice)."""
-    return numpy.empty(nbytes, dtype=numpy.uint8).data.cast("B")
-
-
-def _describe(exc: BaseException | None) -> str:
-    return f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+        return call_with_retries(fn, args, kwargs, options=self.options, uri=self.uri,
+                                 failure=lambda exc: self._failure(exc, key),
+                                 concurrency=concurrency)

@@ -1,5 +1,7 @@
-"""Tools over checkpoints: :mod:`~dcpstore.tools.ops` (ls, inspect, verify, cp, rm, gc,
-export), the :mod:`~dcpstore.tools.cli` and the :mod:`~dcpstore.tools.demo`."""
+"""Tools over checkpoints: :mod:`~dcpstore.tools.ops` (the operations, from
+:mod:`~dcpstore.tools.listing` (ls, inspect), :mod:`~dcpstore.tools.verify` and
+:mod:`~dcpstore.tools.maintenance` (cp, rm, gc)), the :mod:`~dcpstore.tools.cli` and the
+:mod:`~dcpstore.tools.demo`."""
 
 from dcpstore._compat import submodule_getattr
 

@@ -6,7 +6,8 @@ A plugin of the public contract (:mod:`dcpstore.plugin`) and nothing else:
   is derived from the upload id and the part number (equal length for every block of a
   blob; the SDK base64-encodes it), ``complete_upload`` one Put Block List. Uncommitted
   blocks need no abort: Azure discards them at the blob's next commit or after 7 days;
-- ``read`` is one ranged Get Blob streamed straight into the caller's buffers;
+- ``read`` is one ranged Get Blob read straight into the caller's buffers (never the
+  SDK's downloader, which retries by itself: :mod:`dcpstore_azure._rawget`);
 - ``put`` is one Put Blob (``overwrite=True``), ``head`` Get Blob Properties, ``list``
   List Blobs (``walk_blobs(delimiter="/")`` for one level), ``delete`` a blob batch.
 
@@ -21,15 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import requests.exceptions
+import urllib3.exceptions
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 from azure.core.exceptions import (
     AzureError,
     ClientAuthenticationError,
+    DecodeError,
     HttpResponseError,
     ResourceModifiedError,
     ResourceNotFoundError,
@@ -42,6 +47,8 @@ from azure.storage.blob import BlobBlock, BlobPrefix, BlobServiceClient, Contain
 
 from dcpstore import errors
 from dcpstore.plugin import MultipartStore, ObjectInfo, StoreLimits, StoreOptions
+
+from . import _rawget
 
 __all__ = ["AzureBlobStore", "AzureOptions"]
 
@@ -60,8 +67,8 @@ class AzureOptions(StoreOptions):
             (default: the connection string's, else from ``AZURE_STORAGE_ACCOUNT``).
         endpoint_url: Same as ``account_url``, and wins over it (an emulator such as
             ``http://127.0.0.1:10000/devstoreaccount1``, or a proxy).
-        max_single_get_size: Bytes the first request of a read fetches; a larger range is
-            read in further requests of this size.
+        max_single_get_size: Unused, accepted so existing configurations still parse:
+            every read is one Get Blob of its whole range (the framework sizes ranges).
     """
 
     account_url: str | None = None
@@ -99,6 +106,12 @@ _BY_STATUS: dict[int, type[errors.StoreError]] = {
     413: errors.ObjectTooLargeError, 429: errors.StoreThrottledError,
     503: errors.StoreThrottledError, 504: errors.StoreTimeoutError,
 }
+_TIMEOUTS = (ServiceRequestTimeoutError, ServiceResponseTimeoutError,
+             urllib3.exceptions.TimeoutError, requests.exceptions.Timeout)
+_BROKEN = (ServiceRequestError, ServiceResponseError, DecodeError,  # IncompleteReadError too
+           http.client.HTTPException, urllib3.exceptions.ProtocolError,
+           requests.exceptions.ConnectionError,
+           requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError)
 _ADVICE: dict[type[errors.StoreError], str] = {
     errors.ObjectNotFoundError: "there is no such blob",
     errors.BucketNotFoundError: "the container does not exist: create it or fix the URI",
@@ -174,9 +187,7 @@ class AzureBlobStore(MultipartStore):
         service = BlobServiceClient(
             url, credential=make_credential(), retry_total=0,  # the framework retries
             connection_timeout=opts.timeout, read_timeout=opts.timeout,
-            max_single_put_size=MAX_PUT, max_block_size=MAX_BLOCK,
-            max_single_get_size=opts.max_single_get_size,
-            max_chunk_get_size=opts.max_single_get_size)
+            max_single_put_size=MAX_PUT, max_block_size=MAX_BLOCK)
         return service.get_container_client(self.container)
 
     def client_key(self) -> Hashable:
@@ -188,8 +199,7 @@ class AzureBlobStore(MultipartStore):
             env = "\0".join(os.environ.get(n, "") for n in (CONNECTION_STRING_ENV, ACCOUNT_ENV,
                                                             KEY_ENV))
             digest = hashlib.sha256(env.encode()).hexdigest()[:16]
-            self._key = (url, self.container, source, digest, opts.timeout,
-                         opts.max_single_get_size)
+            self._key = (url, self.container, source, digest, opts.timeout)
         return self._key
 
     def _blob(self, key: str) -> Any:
@@ -199,22 +209,39 @@ class AzureBlobStore(MultipartStore):
 
     def read(self, key: str, offset: int = 0,
              buffers: Sequence[memoryview] | None = None) -> bytes | None:
-        blob = self._blob(key)
-        need = sum(len(b) for b in buffers) if buffers is not None else None
+        # one Get Blob, never the SDK's downloader (it retries on its own: see _rawget)
+        need = sum(b.nbytes for b in buffers) if buffers is not None else None
+        if need == 0:
+            return None
+        ranged = f"bytes={offset}-{offset + need - 1}" if need else (
+            f"bytes={offset}-" if offset else None)
         try:
-            stream = blob.download_blob(offset=offset if offset or need else None, length=need,
-                                        max_concurrency=1)
+            response = _rawget.get(self._blob(key), ranged)
         except HttpResponseError as exc:
             if exc.status_code == 416:  # the range starts past the end
                 raise EOFError(f"{key}: no bytes at offset {offset}") from None
             raise
-        if buffers is None or need is None:
-            return bytes(stream.readall())
-        sink = _Scatter(buffers)
-        stream.readinto(sink)  # each chunk is copied once, straight into the buffers
-        if sink.filled < need:
-            raise EOFError(f"{key}: {sink.filled} of {need} bytes from offset {offset}")
-        return None
+        filled, complete = 0, False
+        try:
+            if buffers is None or need is None:
+                data = _rawget.read_all(response)
+                complete = True
+                return data
+            for buf in buffers:  # each buffer filled straight from the socket
+                out = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+                done = 0
+                while done < len(out):
+                    n = _rawget.readinto(response, out[done:])
+                    if not n:
+                        raise EOFError(f"{key}: {filled + done} of {need} bytes from "
+                                       f"offset {offset}")
+                    done += n
+                filled += done
+            complete = True
+            return None
+        finally:
+            if not complete:  # an error or a short object: drop the connection
+                _rawget.close(response)
 
     def put(self, key: str, data: memoryview) -> None:
         # the SDK's single Put Blob takes bytes only (its Put Block takes the view as is)
@@ -271,9 +298,10 @@ class AzureBlobStore(MultipartStore):
     # -- errors --------------------------------------------------------------------------
 
     def map_error(self, exc: Exception, key: str | None) -> errors.StoreError | None:
-        if not isinstance(exc, AzureError):
-            return None
         what = f"{self.uri}/{key}" if key else self.uri
+        if not isinstance(exc, AzureError):  # urllib3 / requests / http.client, bare
+            kind = _broken(exc)
+            return kind(f"{what}: {_ADVICE[kind]} ({type(exc).__name__})") if kind else None
         response = getattr(exc, "response", None)
         request_id = response.headers.get("x-ms-request-id") if response is not None else None
         status = getattr(exc, "status_code", None)
@@ -281,26 +309,21 @@ class AzureBlobStore(MultipartStore):
         if code is None and response is not None:
             code = response.headers.get("x-ms-error-code")
         code = getattr(code, "value", code)
-        kind: type[errors.StoreError] | None
-        if isinstance(exc, (ServiceRequestTimeoutError, ServiceResponseTimeoutError)):
-            kind = errors.StoreTimeoutError
-        elif isinstance(exc, (ServiceRequestError, ServiceResponseError)):
-            kind = errors.StoreUnavailableError  # refused, reset or cut off: retried
-        elif isinstance(exc, ClientAuthenticationError) and status is None:
+        if isinstance(exc, ClientAuthenticationError) and status is None:
             # no answer from the store: the credential itself could not get a token
             advice = _ADVICE[errors.AccessDeniedError]
             return errors.AccessDeniedError(f"{what}: no usable Azure credential "
                                             f"({type(exc).__name__}); {advice}")
-        else:
-            kind = _BY_CODE.get(str(code)) or _BY_STATUS.get(status or 0)
-            if kind is None and isinstance(exc, ResourceNotFoundError):
-                kind = errors.ObjectNotFoundError if key else errors.BucketNotFoundError
-            elif kind is None and isinstance(exc, ClientAuthenticationError):
-                kind = errors.AccessDeniedError
-            elif kind is None and isinstance(exc, ResourceModifiedError):
-                kind = errors.PreconditionFailedError
-            elif kind is None and status is not None and status >= 500:
-                kind = errors.StoreUnavailableError
+        # a timeout, a refused / reset connection or a body cut short: retried
+        kind = _BY_CODE.get(str(code)) or _BY_STATUS.get(status or 0) or _broken(exc)
+        if kind is None and isinstance(exc, ResourceNotFoundError):
+            kind = errors.ObjectNotFoundError if key else errors.BucketNotFoundError
+        elif kind is None and isinstance(exc, ClientAuthenticationError):
+            kind = errors.AccessDeniedError
+        elif kind is None and isinstance(exc, ResourceModifiedError):
+            kind = errors.PreconditionFailedError
+        elif kind is None and status is not None and status >= 500:
+            kind = errors.StoreUnavailableError
         if kind is None:
             return None
         if kind is errors.BucketNotFoundError:
@@ -309,31 +332,23 @@ class AzureBlobStore(MultipartStore):
         return kind(f"{what}: {_ADVICE[kind]} ({detail})", request_id=request_id)
 
 
+def _broken(exc: BaseException) -> type[errors.StoreError] | None:
+    """``StoreTimeoutError`` / ``StoreUnavailableError`` when ``exc``, or an error it wraps
+    (``inner_exception``, ``__cause__``: the SDK's status-less ``HttpResponseError(error,
+    error=error)``), is a timeout / a broken connection or body; by type, never text."""
+    for _ in range(8):  # a chain: HttpResponseError > IncompleteReadError > urllib3 > ...
+        if isinstance(exc, _TIMEOUTS):
+            return errors.StoreTimeoutError
+        if isinstance(exc, _BROKEN):
+            return errors.StoreUnavailableError
+        cause = getattr(exc, "inner_exception", None) or exc.__cause__
+        if not isinstance(cause, BaseException):
+            return None
+        exc = cause
+    return None
+
+
 def _block_id(upload_id: str, number: int) -> str:
     """Block ``number`` of upload ``upload_id``: 30 characters for every block (Azure
     wants one length per blob); the SDK sends it base64-encoded."""
     return hashlib.sha256(upload_id.encode()).hexdigest()[:24] + f"{number:06d}"
-
-
-class _Scatter:
-    """A writable stream that fills consecutive buffers in order (a scatter read)."""
-
-    def __init__(self, buffers: Sequence[memoryview]) -> None:
-        self.buffers = [b if b.format == "B" else b.cast("B") for b in buffers]
-        self.index, self.pos, self.filled = 0, 0, 0
-
-    def write(self, data: Any) -> int:
-        src = memoryview(data).cast("B")
-        done = 0
-        while done < len(src) and self.index < len(self.buffers):
-            buf = self.buffers[self.index]
-            n = min(len(buf) - self.pos, len(src) - done)
-            buf[self.pos:self.pos + n] = src[done:done + n]
-            done, self.pos = done + n, self.pos + n
-            if self.pos == len(buf):
-                self.index, self.pos = self.index + 1, 0
-        self.filled += done
-        return len(src)
-
-    def seekable(self) -> bool:
-        return False

@@ -238,14 +238,25 @@ def _check_endpoint(config: dict[str, Any], profile: str) -> None:
         )
 
 
+#: Storage providers built on botocore, whose own retries MSC passes through as the
+#: provider option ``retries`` (a ``botocore.config.Config`` setting).
+_BOTOCORE_PROVIDERS = frozenset({"s3", "s8k", "gcs_s3", "ais_s3"})
+
+
 def _one_attempt(config: dict[str, Any], profile: str) -> dict[str, Any]:
-    """``config`` with ``profile``'s MSC ``retry`` attempts set to one (dcpstore retries
-    each request itself)."""
+    """``config`` with ``profile``'s MSC ``retry`` attempts set to one, and botocore's
+    own retries inside an S3-type provider too: dcpstore retries each request itself,
+    and retries in three layers would multiply the requests."""
     merged = copy.deepcopy(config)
     entry = merged.get("profiles", {}).get(profile)
     if isinstance(entry, dict):
         retry = entry.get("retry")
         entry["retry"] = {**(retry if isinstance(retry, dict) else {}), "attempts": 1}
+        provider = entry.get("storage_provider")
+        if isinstance(provider, dict) and provider.get("type") in _BOTOCORE_PROVIDERS:
+            options = provider.setdefault("options", {})
+            if isinstance(options, dict):
+                options["retries"] = {"total_max_attempts": 1}
     return merged
 
 

@@ -104,13 +104,7 @@ class _Relay:
         try:
             sock.sendall(("\r\n".join(head_lines) + "\r\n\r\n").encode("latin-1"))
             go_on()
-            for data in body:
-                if body.chunked:
-                    sock.sendall(b"%x\r\n" % len(data) + data + b"\r\n")
-                else:
-                    sock.sendall(data)
-            if body.chunked:
-                sock.sendall(b"0\r\n\r\n")
+            _send_body(sock, body)
         except OSError as exc:  # the server may answer early and close; read its answer
             logger.debug("fault proxy: sending to upstream failed: %s", exc)
         self._count_up(body)
@@ -136,14 +130,7 @@ class _Relay:
             return False
         try:
             client.sendall(resp.raw)
-            for data in resp_body:
-                self._count_down(len(data))
-                if resp_body.chunked:
-                    client.sendall(b"%x\r\n" % len(data) + data + b"\r\n")
-                else:
-                    client.sendall(data)
-            if resp_body.chunked:
-                client.sendall(b"0\r\n\r\n")
+            _send_body(client, resp_body, self._count_down)
         except (_Closed, _BadMessage):
             upstream.close()
             raise _Abort() from None
@@ -175,3 +162,15 @@ class _Relay:
             else:
                 client.sendall(data)
             sent += len(data)
+
+
+def _send_body(sock: socket.socket, body: _Body,
+               count: Callable[[int], None] | None = None) -> None:
+    """Send ``body``'s pieces as they come, re-chunked if it was chunked; ``count`` is
+    told each piece's length."""
+    for data in body:
+        if count is not None:
+            count(len(data))
+        sock.sendall(b"%x\r\n" % len(data) + data + b"\r\n" if body.chunked else data)
+    if body.chunked:
+        sock.sendall(b"0\r\n\r\n")

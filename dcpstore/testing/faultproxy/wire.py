@@ -40,32 +40,34 @@ class _Reader:
 
     def read_head(self) -> bytes | None:
         """One message head (through the blank line); ``None`` at a clean EOF."""
-        while True:
-            while self.buf[:2] == b"\r\n":  # stray CRLF between messages is allowed
-                del self.buf[:2]
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                head = bytes(self.buf[: end + 4])
-                del self.buf[: end + 4]
-                return head
-            if len(self.buf) > _MAX_HEAD:
-                raise _BadMessage("message head too large")
-            if not self._fill():
-                if self.buf:
-                    raise _Closed("connection closed inside a message head")
-                return None
+        return self._read_through(b"\r\n\r\n", "message head too large",
+                                  "connection closed inside a message head", eof_ok=True)
 
     def readline(self) -> bytes:
+        line = self._read_through(b"\r\n", "line too long",
+                                  "connection closed inside a line", eof_ok=False)
+        assert line is not None
+        return line
+
+    def _read_through(self, end_mark: bytes, too_long: str, closed: str, *,
+                      eof_ok: bool) -> bytes | None:
+        """The bytes up to and including ``end_mark``; ``None`` at a clean EOF before
+        any byte where ``eof_ok`` (a message head, before which stray CRLFs are
+        dropped)."""
         while True:
-            end = self.buf.find(b"\r\n")
+            while eof_ok and self.buf[:2] == b"\r\n":  # allowed between messages
+                del self.buf[:2]
+            end = self.buf.find(end_mark)
             if end >= 0:
-                line = bytes(self.buf[: end + 2])
-                del self.buf[: end + 2]
-                return line
+                data = bytes(self.buf[: end + len(end_mark)])
+                del self.buf[: end + len(end_mark)]
+                return data
             if len(self.buf) > _MAX_HEAD:
-                raise _BadMessage("line too long")
+                raise _BadMessage(too_long)
             if not self._fill():
-                raise _Closed("connection closed inside a line")
+                if self.buf or not eof_ok:
+                    raise _Closed(closed)
+                return None
 
     def read_some(self, limit: int) -> bytes:
         """Up to ``limit`` (> 0) bytes; ``b""`` only at EOF."""
