@@ -5,7 +5,8 @@
 A plugin subclasses :class:`ObjectStore` (or :class:`MultipartStore`), implements its
 methods (see :mod:`dcpstore.storage.contract` and ``docs/writing-a-backend.md``), maps
 its SDK's exceptions to the failure kinds below in :meth:`ObjectStore.map_error`
-(CRC32C helpers are here too, for stores that check what they assemble), and
+(CRC32C helpers are here too, for stores that check what they assemble, and
+:mod:`~dcpstore.storage.http_body`, zero-copy reads of urllib3 response bodies), and
 registers the class in the ``dcpstore.backends`` entry-point group (or with
 :func:`register_backend`). Its test runs :class:`dcpstore.testing.BackendConformance`.
 """
@@ -25,6 +26,7 @@ from dcpstore.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from dcpstore.storage import http_body
 from dcpstore.storage.backend import Upload
 from dcpstore.storage.contract import (
     MultipartStore,
@@ -57,5 +59,6 @@ __all__ = [
     "available_backends",
     "crc32c",
     "crc32c_combine",
+    "http_body",
     "register_backend",
 ]

@@ -39,7 +39,8 @@ from azure.core.exceptions import (
     ServiceResponseTimeoutError,
 )
 from azure.storage.blob import BlobServiceClient
-from dcpstore_azure import AzureBlobStore, AzureOptions, _rawget
+from dcpstore_azure import AzureBlobStore, AzureOptions
+from dcpstore_azure import store as azure_store
 from dcpstore_azure.store import _block_id
 
 import dcpstore
@@ -54,6 +55,7 @@ from dcpstore.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from dcpstore.plugin import http_body
 from dcpstore.storage.backend import ReadRange
 from dcpstore.storage.store_backend import StoreBackend
 from dcpstore.testing import BackendConformance, FaultPlan, FaultProxy, HTTPEndpoint
@@ -303,30 +305,31 @@ def test_read_is_one_request_into_the_buffers(azurite: AzuriteServer) -> None:
         be.close()
 
 
-def test_rawget_internals_match_the_pinned_sdk(azurite: AzuriteServer) -> None:
-    """The internals _rawget leans on (see its docstring) are there: the generated Get
-    Blob, and the http.client response under urllib3's, read straight from the socket;
-    an SDK upgrade that changes them fails here, not silently (slower or retrying)."""
+def test_one_request_read_internals_match_the_pinned_sdk(azurite: AzuriteServer) -> None:
+    """The internals the store's one-request reads lean on (see store._get) are there:
+    the generated Get Blob, and the http.client response under urllib3's, read straight
+    from the socket; an SDK upgrade that changes them fails here, not silently (slower
+    or retrying)."""
     be = dcpstore.open_backend(_uri("rawget"))
     be.put("k", b"0123456789")
     blob = be.store._blob("k")
     assert callable(blob._client.blob.download)
-    response = _rawget.get(blob, "bytes=2-5")
+    response = azure_store._get(blob, "bytes=2-5")
     assert response.status_code == 206
     raw = response.internal_response.raw
     assert isinstance(raw, urllib3.response.HTTPResponse)
-    assert _rawget.direct_response(response) is raw._fp  # the zero-copy path is taken
+    assert http_body.direct_response(raw) is raw._fp  # the zero-copy path is taken
     out = bytearray(8)
-    assert _rawget.readinto(response, memoryview(out)) == 4 and out[:4] == b"2345"
+    assert azure_store._readinto(response, memoryview(out)) == 4 and out[:4] == b"2345"
     assert raw._fp_bytes_read == 4 and raw.length_remaining == 0
     assert raw._connection is None  # handed back to the pool
-    assert _rawget.readinto(response, memoryview(out)) == 0
-    response = _rawget.get(blob, None)
+    assert azure_store._readinto(response, memoryview(out)) == 0
+    response = azure_store._get(blob, None)
     raw = response.internal_response.raw
-    assert _rawget.direct_response(response) is raw._fp
-    assert _rawget.read_all(response) == b"0123456789" and raw._connection is None
+    assert http_body.direct_response(raw) is raw._fp
+    assert azure_store._read_all(response) == b"0123456789" and raw._connection is None
     with pytest.raises(HttpResponseError) as info:
-        _rawget.get(blob, "bytes=100-")
+        azure_store._get(blob, "bytes=100-")
     assert info.value.status_code == 416
     be.close()
 

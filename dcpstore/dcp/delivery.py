@@ -29,16 +29,11 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from dcpstore import errors
 from dcpstore.dcp.checksum import block_crcs, crc32c
 from dcpstore.dcp.codec import ViewFile, decode_tensor
 from dcpstore.dcp.manifest import Manifest
 from dcpstore.dcp.read_plan import ChunkIndex, CoalescedRange, ItemRead
-from dcpstore.errors import (
-    DcpstoreError,
-    IntegrityError,
-    ObjectNotFoundError,
-    UnsafeCheckpointError,
-)
 from dcpstore.storage.backend import Backend, ReadRange, uninitialized_buffer
 
 __all__ = ["Delivery", "LazyLayouts", "fetch_and_deliver"]
@@ -195,7 +190,7 @@ class Delivery:
         if list(expected) != actual:
             bad = next(i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a)
             at = info.offset + part.payload.start + part.lo + bad * part.block
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: CRC32C mismatch in tensor item "
                 f"{req.storage_index.fqn!r}, payload block at byte {at}: expected "
                 f"{expected[bad]:08x}, got {actual[bad]:08x}. The data file is corrupted; "
@@ -207,7 +202,7 @@ class Delivery:
             source = flat.as_strided(tuple(req.lengths), part.strides)
             target = self.planner.resolve_tensor(req).detach()
             if target.size() != source.size():
-                raise IntegrityError(
+                raise errors.IntegrityError(
                     f"{req.storage_index.fqn!r}: the checkpoint holds a chunk of shape "
                     f"{list(source.size())} where the destination expects "
                     f"{list(target.size())}"
@@ -227,7 +222,7 @@ class Delivery:
         # the archive must place this exact tensor where the manifest said it would
         if (decoded.data_ptr() != target.data_ptr() or decoded.dtype != target.dtype
                 or decoded.size() != target.size() or decoded.stride() != target.stride()):
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: tensor item {fqn!r} does not lie "
                 "where the manifest records its payload; the checkpoint is inconsistent"
             )
@@ -257,7 +252,7 @@ class Delivery:
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = self.planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{fqn!r}: the checkpoint holds a chunk of shape {list(tensor.size())} where "
                 f"the destination expects {list(target.size())}"
             )
@@ -272,13 +267,13 @@ class Delivery:
             return
         got = sum(len(p) for p in pieces)
         if got != info.length:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: item {req.storage_index.fqn!r} "
                 f"at offset {info.offset} is truncated ({got} of {info.length} bytes)"
             )
         expected = self.manifest.item_crc(info.relative_path, info.offset, info.length)
         if expected is None:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: item {req.storage_index.fqn!r} at "
                 f"offset {info.offset} is not in the manifest; .metadata was tampered with"
             )
@@ -286,7 +281,7 @@ class Delivery:
         for piece in pieces:
             actual = crc32c(piece, actual)
         if actual != expected:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: CRC32C mismatch in item "
                 f"{req.storage_index.fqn!r} (bytes {info.offset}-{info.offset + info.length}): "
                 f"expected {expected:08x}, got {actual:08x}. The data file is corrupted; "
@@ -298,12 +293,12 @@ class Delivery:
         try:
             return decode_tensor(pieces)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
+            raise errors.UnsafeCheckpointError(
                 f"{self.uri}/{info.relative_path}: tensor item {fqn!r} is not a plain "
                 f"tensor ({exc})"
             ) from exc
         except RuntimeError as exc:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: tensor item {fqn!r} at offset "
                 f"{info.offset} cannot be decoded: {exc}"
             ) from exc
@@ -312,7 +307,7 @@ class Delivery:
         try:
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
+            raise errors.UnsafeCheckpointError(
                 f"{self.uri}/{info.relative_path}: item {fqn!r} is a pickle that "
                 f"weights_only loading refuses ({str(exc).splitlines()[0]}). It could run "
                 "code. If you trust this checkpoint, load with allow_pickle=True."
@@ -351,7 +346,7 @@ def fetch_and_deliver(backend: Backend, ranges: Sequence[CoalescedRange],
     each range's items as soon as it is in.
 
     Raises:
-        IntegrityError: A data file is missing or too short (naming the items lost with
+        errors.IntegrityError: A data file is missing or too short (naming the items lost with
             it), or what arrived does not match the manifest.
         OSError: The store failed otherwise.
     """
@@ -371,11 +366,12 @@ def fetch_and_deliver(backend: Backend, ranges: Sequence[CoalescedRange],
 
 
 def damaged_file_error(backend: Backend, exc: OSError, ranges: Sequence[CoalescedRange]
-                       ) -> IntegrityError | None:
+                       ) -> errors.IntegrityError | None:
     """After a failed fetch, name the data file that is missing or too short and the
     items lost with it; ``None`` when that is not why (e.g. a dropped connection)."""
+    store_said_missing = isinstance(exc, errors.ObjectNotFoundError)
     if isinstance(exc, (ConnectionError, TimeoutError, PermissionError)) or (
-            isinstance(exc, DcpstoreError) and not isinstance(exc, ObjectNotFoundError)):
+            isinstance(exc, errors.DcpstoreError) and not store_said_missing):
         return None
     needed: dict[str, int] = {}
     for r in ranges:
@@ -393,7 +389,7 @@ def damaged_file_error(backend: Backend, exc: OSError, ranges: Sequence[Coalesce
                 for item in r.items if size is None or item.offset + item.length > size]
         state = "is missing" if size is None else f"is truncated to {size} bytes"
         more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
-        return IntegrityError(
+        return errors.IntegrityError(
             f"{backend.uri}/{key} {state}; items lost with it: "
             f"{', '.join(map(repr, lost[:5]))}{more}. The "
             "checkpoint was damaged after it was written; restore the file or load an "

@@ -73,15 +73,9 @@ from dcpstore.storage.types import (
 )
 from dcpstore.storage.uri import ParsedURI, validate_key
 
-__all__ = [
-    "Backend",
-    "BackendOptions",
-    "Failure",
-    "ObjectInfo",
-    "ReadRange",
-    "Upload",
-    "uninitialized_buffer",
-]
+# the types re-exported: this was their module before the split
+__all__ = ["Backend", "BackendOptions", "Failure", "ObjectInfo", "ReadRange", "Upload",
+           "uninitialized_buffer"]
 
 T = TypeVar("T")
 

@@ -143,11 +143,20 @@ class BackendLifecycle(abc.ABC):
         with self._state_lock:
             resources, self._resources = self._resources, {}
         key = resources.get(_CLIENT_KEY)
-        if key is not None:  # the next backend on this store starts where these settled
-            for direction in ("upload", "read"):
-                limit = resources.get(f"concurrency-{direction}")
+        # the next backend on this store starts where these settled (a plugin store's
+        # client is the store's own, so its key is asked for here)
+        limits = {d: resources.get(f"concurrency-{d}") for d in ("upload", "read")}
+        learnt_key = key
+        if key is None and any(limits.values()):
+            try:
+                store_key = self._client_key()
+            except Exception:  # a store that cannot say (no credentials): nothing learnt
+                store_key = None
+            learnt_key = None if store_key is None else (type(self), store_key)
+        if learnt_key is not None:
+            for direction, limit in limits.items():
                 if limit is not None:
-                    learnt_limits.remember(key, direction, limit)
+                    learnt_limits.remember(learnt_key, direction, limit)
         client = resources.get(_CLIENT)  # buffers still in use go back to dropped pools
         if client is not None and (key is None or not shared_clients.release(key, client)):
             try:

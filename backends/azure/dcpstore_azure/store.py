@@ -7,7 +7,7 @@ A plugin of the public contract (:mod:`dcpstore.plugin`) and nothing else:
   blob; the SDK base64-encodes it), ``complete_upload`` one Put Block List. Uncommitted
   blocks need no abort: Azure discards them at the blob's next commit or after 7 days;
 - ``read`` is one ranged Get Blob read straight into the caller's buffers (never the
-  SDK's downloader, which retries by itself: :mod:`dcpstore_azure._rawget`);
+  SDK's downloader, which retries by itself: see :func:`_get`);
 - ``put`` is one Put Blob (``overwrite=True``), ``head`` Get Blob Properties, ``list``
   List Blobs (``walk_blobs(delimiter="/")`` for one level), ``delete`` a blob batch.
 
@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import http.client
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from azure.core.exceptions import (
     ClientAuthenticationError,
     DecodeError,
     HttpResponseError,
+    IncompleteReadError,
     ResourceModifiedError,
     ResourceNotFoundError,
     ServiceRequestError,
@@ -46,9 +47,7 @@ from azure.core.exceptions import (
 from azure.storage.blob import BlobBlock, BlobPrefix, BlobServiceClient, ContainerClient
 
 from dcpstore import errors
-from dcpstore.plugin import MultipartStore, ObjectInfo, StoreLimits, StoreOptions
-
-from . import _rawget
+from dcpstore.plugin import MultipartStore, ObjectInfo, StoreLimits, StoreOptions, http_body
 
 __all__ = ["AzureBlobStore", "AzureOptions"]
 
@@ -67,13 +66,10 @@ class AzureOptions(StoreOptions):
             (default: the connection string's, else from ``AZURE_STORAGE_ACCOUNT``).
         endpoint_url: Same as ``account_url``, and wins over it (an emulator such as
             ``http://127.0.0.1:10000/devstoreaccount1``, or a proxy).
-        max_single_get_size: Unused, accepted so existing configurations still parse:
-            every read is one Get Blob of its whole range (the framework sizes ranges).
     """
 
     account_url: str | None = None
     endpoint_url: str | None = None
-    max_single_get_size: int = 256 * MiB
 
     def validate(self) -> None:
         super().validate()
@@ -209,14 +205,14 @@ class AzureBlobStore(MultipartStore):
 
     def read(self, key: str, offset: int = 0,
              buffers: Sequence[memoryview] | None = None) -> bytes | None:
-        # one Get Blob, never the SDK's downloader (it retries on its own: see _rawget)
+        # one Get Blob, never the SDK's downloader (it retries on its own: see _get)
         need = sum(b.nbytes for b in buffers) if buffers is not None else None
         if need == 0:
             return None
         ranged = f"bytes={offset}-{offset + need - 1}" if need else (
             f"bytes={offset}-" if offset else None)
         try:
-            response = _rawget.get(self._blob(key), ranged)
+            response = _get(self._blob(key), ranged)
         except HttpResponseError as exc:
             if exc.status_code == 416:  # the range starts past the end
                 raise EOFError(f"{key}: no bytes at offset {offset}") from None
@@ -224,14 +220,14 @@ class AzureBlobStore(MultipartStore):
         filled, complete = 0, False
         try:
             if buffers is None or need is None:
-                data = _rawget.read_all(response)
+                data = _read_all(response)
                 complete = True
                 return data
             for buf in buffers:  # each buffer filled straight from the socket
                 out = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
                 done = 0
                 while done < len(out):
-                    n = _rawget.readinto(response, out[done:])
+                    n = _readinto(response, out[done:])
                     if not n:
                         raise EOFError(f"{key}: {filled + done} of {need} bytes from "
                                        f"offset {offset}")
@@ -241,7 +237,8 @@ class AzureBlobStore(MultipartStore):
             return None
         finally:
             if not complete:  # an error or a short object: drop the connection
-                _rawget.close(response)
+                with contextlib.suppress(Exception):
+                    response.close()
 
     def put(self, key: str, data: memoryview) -> None:
         # the SDK's single Put Blob takes bytes only (its Put Block takes the view as is)
@@ -352,3 +349,43 @@ def _block_id(upload_id: str, number: int) -> str:
     """Block ``number`` of upload ``upload_id``: 30 characters for every block (Azure
     wants one length per blob); the SDK sends it base64-encoded."""
     return hashlib.sha256(upload_id.encode()).hexdigest()[:24] + f"{number:06d}"
+
+
+# -- one Get Blob per read ---------------------------------------------------------------
+# download_blob's StorageStreamDownloader retries a broken body 3 times (1 s sleeps) on its
+# own, whatever retry_total says; the framework must be the only retry layer. So a read
+# calls, once, the generated operation that downloader calls (the SDK's pipeline signs it
+# and maps its statuses) and reads the body through dcpstore.plugin.http_body (straight
+# into the buffers). tests/test_backend_azure.py checks these internals against the pin.
+
+
+def _get(blob: Any, range_header: str | None) -> Any:
+    """One Get Blob (``bytes=a-b``, ``bytes=a-`` or all): the response, body unread."""
+    return blob._client.blob.download(range=range_header,
+                                      cls=lambda response, *_: response).http_response
+
+
+@contextlib.contextmanager
+def _body_errors() -> Iterator[None]:
+    """A timeout or a cut connection while reading a body, as the SDK's errors."""
+    try:
+        yield
+    except (TimeoutError, urllib3.exceptions.ReadTimeoutError) as exc:
+        raise ServiceResponseTimeoutError(f"reading the body timed out: {exc!r}",
+                                          error=exc) from exc
+    except (http.client.HTTPException, OSError, urllib3.exceptions.HTTPError) as exc:
+        raise IncompleteReadError(f"the body was cut short: {exc!r}", error=exc) from exc
+
+
+def _readinto(response: Any, out: memoryview) -> int:
+    raw = response.internal_response.raw
+    with _body_errors():
+        n = http_body.readinto(raw, out)
+        return int(raw.readinto(out)) if n is None else n
+
+
+def _read_all(response: Any) -> bytes:
+    raw = response.internal_response.raw
+    with _body_errors():
+        data = http_body.read_all(raw)
+        return bytes(raw.read()) if data is None else data

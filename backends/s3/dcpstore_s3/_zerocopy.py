@@ -32,6 +32,8 @@ from typing import Any
 
 from botocore.exceptions import ReadTimeoutError, ResponseStreamingError
 
+from dcpstore.plugin import http_body
+
 __all__ = [
     "PartStream",
     "direct_response",
@@ -120,43 +122,21 @@ def install_body_handlers(client: Any) -> None:
 
 def direct_response(body: Any) -> http.client.HTTPResponse | None:
     """The ``http.client`` response under a botocore ``StreamingBody`` when its bytes can
-    be read straight into a caller's buffer (a plain body: not chunked, not
-    content-encoded), else ``None``."""
-    raw: Any = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if (not isinstance(fp, http.client.HTTPResponse) or fp.chunked
-            or raw.headers.get("content-encoding") or not hasattr(raw, "_fp_bytes_read")
-            or not hasattr(raw, "length_remaining") or not hasattr(raw, "release_conn")):
-        return None
-    return fp
+    be read straight into a caller's buffer, else ``None``
+    (:func:`dcpstore.plugin.http_body.direct_response`)."""
+    return http_body.direct_response(getattr(body, "_raw_stream", None))
 
 
 def readinto(body: Any, out: memoryview) -> int:
-    """``body.readinto(out)``, straight from the socket when possible.
-
-    urllib3's ``readinto`` reads into a temporary ``bytes`` (which http.client itself
-    fills through a zeroed temporary) and copies that into ``out``: three extra passes
-    over every byte. See :func:`direct_response`.
-    """
-    fp = direct_response(body)
-    if fp is None:
-        return int(body.readinto(out))
-    raw: Any = body._raw_stream
+    """``body.readinto(out)``, straight from the socket when possible
+    (:func:`dcpstore.plugin.http_body.readinto`); errors as botocore raises them."""
     try:
-        n = fp.readinto(out)
+        n = http_body.readinto(getattr(body, "_raw_stream", None), out)
     except TimeoutError as exc:
         raise ReadTimeoutError(endpoint_url="", error=exc) from exc
     except (http.client.HTTPException, OSError) as exc:
         raise ResponseStreamingError(error=exc) from exc
-    raw._fp_bytes_read += n
-    if raw.length_remaining is not None:
-        raw.length_remaining -= n
-        if not n and len(out) and raw.length_remaining > 0:  # connection cut short
-            raise ResponseStreamingError(error=http.client.IncompleteRead(
-                b"", raw.length_remaining))
-    if fp.isclosed():  # all of it read: hand the connection back to the pool
-        raw.release_conn()
-    return n
+    return int(body.readinto(out)) if n is None else n
 
 
 def skip(body: Any, count: int) -> None:

@@ -15,18 +15,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install accelerate") from exc
 
 from dcpstore.errors import CheckpointNotFoundError
+from dcpstore.integrations.accelerate import scratch as scratch_space
+from dcpstore.integrations.accelerate import store as commits
 from dcpstore.integrations.accelerate.fsdp import redirected
-from dcpstore.integrations.accelerate.scratch import (
-    download_extras,
-    save_with_scratch,
-    scratch_dir,
-)
-from dcpstore.integrations.accelerate.store import (
-    is_committed,
-    latest_checkpoint,
-    require_committed,
-    rotate,
-)
 from dcpstore.integrations.accelerate.uris import check_uri, join_uri
 from dcpstore.integrations.accelerate.versions import check_accelerate
 
@@ -79,7 +70,7 @@ class DcpstoreAccelerator(Accelerator):
         automatic = config.automatic_checkpoint_naming
         if automatic:
             target = join_uri(self._checkpoints_root(), f"checkpoint_{self.save_iteration}")
-            if is_committed(target):
+            if commits.is_committed(target):
                 raise ValueError(
                     f"Checkpoint directory {target} ({self.save_iteration}) already exists. "
                     "Set `accelerator.project_configuration.iteration` to the iteration "
@@ -102,14 +93,14 @@ class DcpstoreAccelerator(Accelerator):
         logger.info("Saving current state to %s", target)
         iteration = config.iteration
         try:
-            save_with_scratch(target, "accelerate", write, [accelerate.accelerator],
+            scratch_space.save_with_scratch(target, "accelerate", write, [accelerate.accelerator],
                               main=self.is_main_process,
                               marker={"iteration": iteration if automatic else None})
         finally:  # a rank whose own part succeeded must not move on alone
             config.iteration = iteration
         config.iteration = iteration + 1
         if automatic and config.total_limit is not None and self.is_main_process:
-            rotate(self._checkpoints_root(), "checkpoint_", config.total_limit)
+            commits.rotate(self._checkpoints_root(), "checkpoint_", config.total_limit)
         self.wait_for_everyone()
         return target
 
@@ -132,7 +123,7 @@ class DcpstoreAccelerator(Accelerator):
         if input_dir is not None:
             source = check_uri(input_dir)
         elif self.project_configuration.automatic_checkpoint_naming:
-            found = latest_checkpoint(self._checkpoints_root(), "checkpoint_")
+            found = commits.latest_checkpoint(self._checkpoints_root(), "checkpoint_")
             if found is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint_<n> under {self._checkpoints_root()}")
@@ -144,9 +135,9 @@ class DcpstoreAccelerator(Accelerator):
                              "disabled.")
         from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
-        store = require_committed(source)
+        store = commits.require_committed(source)
         logger.info("Loading states from %s", source)
-        with scratch_dir("accelerate") as scratch:
-            download_extras(store, scratch, (FSDP_MODEL_NAME, OPTIMIZER_NAME))
+        with scratch_space.scratch_dir("accelerate") as scratch:
+            scratch_space.download_extras(store, scratch, (FSDP_MODEL_NAME, OPTIMIZER_NAME))
             with redirected(scratch, source, [accelerate.accelerator]):
                 super().load_state(scratch, load_kwargs, **load_model_func_kwargs)

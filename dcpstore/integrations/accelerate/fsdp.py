@@ -69,11 +69,15 @@ def _make_replacements(redirect: _Redirect, fsdp_utils: ModuleType
 
     originals = {name: getattr(fsdp_utils, name) for name in _FSDP_FUNCTIONS}
 
+    def target(fsdp_plugin: Any, use_dcp: bool, directory: str) -> str | None:
+        """Where a redirected sharded DCP part goes; ``None``: the stock function's job."""
+        uri = redirect.uri_for(directory)
+        return uri if uri is not None and _sharded_dcp(fsdp_plugin, use_dcp) else None
+
     def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str,
                         model_index: int = 0, adapter_only: bool = False,
                         use_dcp: bool = True) -> None:
-        uri = redirect.uri_for(output_dir)
-        if uri is None or not _sharded_dcp(fsdp_plugin, use_dcp):
+        if (uri := target(fsdp_plugin, use_dcp, output_dir)) is None:
             return originals["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir,
                                                 model_index, adapter_only, use_dcp)
         os.makedirs(output_dir, exist_ok=True)  # the local stand-in, as the stock code does
@@ -87,8 +91,7 @@ def _make_replacements(redirect: _Redirect, fsdp_utils: ModuleType
     def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str,
                         model_index: int = 0, adapter_only: bool = False,
                         use_dcp: bool = True) -> Any:
-        uri = redirect.uri_for(input_dir)
-        if uri is None or not _sharded_dcp(fsdp_plugin, use_dcp):
+        if (uri := target(fsdp_plugin, use_dcp, input_dir)) is None:
             return originals["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir,
                                                 model_index, adapter_only, use_dcp)
         accelerator.wait_for_everyone()
@@ -105,8 +108,7 @@ def _make_replacements(redirect: _Redirect, fsdp_utils: ModuleType
     def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any,
                             output_dir: str, optimizer_index: int = 0,
                             use_dcp: bool = True) -> None:
-        uri = redirect.uri_for(output_dir)
-        if uri is None or not _sharded_dcp(fsdp_plugin, use_dcp):
+        if (uri := target(fsdp_plugin, use_dcp, output_dir)) is None:
             return originals["save_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model,
                                                     output_dir, optimizer_index, use_dcp)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -121,8 +123,7 @@ def _make_replacements(redirect: _Redirect, fsdp_utils: ModuleType
     def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any,
                             input_dir: str, optimizer_index: int = 0,
                             adapter_only: bool = False, use_dcp: bool = True) -> None:
-        uri = redirect.uri_for(input_dir)
-        if uri is None or not _sharded_dcp(fsdp_plugin, use_dcp):
+        if (uri := target(fsdp_plugin, use_dcp, input_dir)) is None:
             return originals["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model,
                                                     input_dir, optimizer_index, adapter_only,
                                                     use_dcp)
