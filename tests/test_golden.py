@@ -19,6 +19,7 @@ checkpoints that users already have stopped loading.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -42,58 +43,16 @@ STEP2 = "step-000000002"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-# -- the expected values (as tests/golden/make_golden.py built them) ----------------------
+# -- the expected values: rebuilt by the functions that built the corpus -------------------
+# (importing them keeps one definition; a change there that no longer matches the files
+# written at fb917c0 fails here)
 
-
-def ramp(shape: tuple[int, ...], dtype: torch.dtype, *, scale: float, shift: float) -> torch.Tensor:
-    """``arange * scale + shift`` computed in float64 and rounded once to ``dtype``.
-
-    Args:
-        shape: Shape of the result.
-        dtype: Its floating-point dtype.
-        scale: Factor applied to the element index.
-        shift: Offset added after scaling.
-
-    Returns:
-        A tensor whose bits depend only on IEEE-754 rounding, not on the torch version.
-    """
-    n = 1
-    for dim in shape:
-        n *= dim
-    values = torch.arange(n, dtype=torch.float64) * scale + shift
-    return values.reshape(shape).to(dtype)
-
-
-def plain_values() -> dict[str, Any]:
-    """The full values saved as ``plain/`` (``blob_io`` saved as ``io.BytesIO``)."""
-    return {
-        "weight": ramp((64, 16), torch.float32, scale=0.37, shift=-150.0),
-        "norm_bf16": ramp((16,), torch.bfloat16, scale=-1.25, shift=7.5),
-        "counts": torch.tensor([-(2**63), -(2**40) - 3, -1, 0, 1, 2**40 + 3, 2**63 - 1],
-                               dtype=torch.int64),
-        "scale_fp16": torch.tensor(1.0 / 3.0, dtype=torch.float16),
-        "meta": {
-            "epoch": 3,
-            "lr": 0.001,
-            "name": "golden-plain",
-            "milestones": [10, 20, 30],
-            "nested": {"ratio": 2.5, "tag": "deep", "flag": True},
-        },
-        "blob": b"dcpstore golden bytes\x00\x01\x7f\x80\xff",
-        "blob_io": b"\x00golden BytesIO payload\xfe\xff",
-    }
-
-
-def run_values(step: int) -> dict[str, Any]:
-    """The full values saved as ``step`` (1 or 2) of ``run/``: ``frozen`` and ``embed``
-    are the same at both steps (step 2 references them), ``head`` and ``adapter`` change."""
-    return {
-        "frozen": ramp((128, 32), torch.float32, scale=0.0625, shift=-128.0),
-        "embed": ramp((64, 64), torch.bfloat16, scale=0.5, shift=-1000.0),
-        "head": ramp((32, 64), torch.float32, scale=0.125 * step, shift=float(step)),
-        "adapter": ramp((64, 16), torch.float32, scale=-0.75, shift=10.0 * step),
-        "trainer": {"step": step, "loss": 1.0 / (step + 1), "phase": f"phase-{step}"},
-    }
+_spec = importlib.util.spec_from_file_location(
+    "make_golden", Path(__file__).parent / "golden" / "make_golden.py")
+assert _spec is not None and _spec.loader is not None
+make_golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_golden)
+ramp, plain_values, run_values = make_golden.ramp, make_golden.plain_values, make_golden.run_values
 
 
 # -- helpers -------------------------------------------------------------------------------
