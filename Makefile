@@ -37,7 +37,7 @@ endif
 PIP = $(QUIET_PIP) $(BIN)/python -m pip
 STEP = @echo "==> setup:"
 
-.PHONY: setup demo test lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves clean
+.PHONY: setup demo test lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves test-gpu bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -112,6 +112,17 @@ bench-stall-quick: setup
 # the memory available when it starts is skipped and listed in results.md.
 bench-curves: setup
 	$(BIN)/python -m benchmarks --curves --out benchmarks/results/curves
+
+# The GPU suite (tests/gpu; docs/gpu.md): one rank per GPU over NCCL, CUDA tensors. It
+# needs a Python whose torch has CUDA (the venv's torch is a CPU build: there every test
+# skips, "no CUDA device"). bench-gpu is the one prepared GPU check: the suite and the GPU
+# stall benchmark (benchmarks.cuda_stall), results into benchmarks/results/gpu.
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -rs tests/gpu
+
+bench-gpu:
+	PYTHON=$(GPU_PYTHON) benchmarks/gpu_run.sh benchmarks/results/gpu
 
 lint: setup
 	$(BIN)/ruff check dcpstore backends tests benchmarks

@@ -46,6 +46,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +122,7 @@ class _Saver:
         self.root = root
         self.ckpt: Any = None
         self.pending: Any = None
+        self.done_at: float | None = None
         if system.startswith("dcpstore"):
             import dcpstore
             from dcpstore.dcp.staging import StagingOptions
@@ -159,6 +161,9 @@ class _Saver:
         if staging is not None:
             staging.result()  # the state is only safe to modify once staged
         self.pending = getattr(response, "upload_completion", response)
+        self.done_at = None
+        self.pending.add_done_callback(
+            lambda _f: setattr(self, "done_at", time.perf_counter()))
         if step > 1:  # keep the last step only, as keep_last=1 does
             shutil.rmtree(self.step_dir(step - 1), ignore_errors=True)
 
@@ -177,11 +182,81 @@ class _Saver:
 
         dcp.load(out, checkpoint_id=self.step_dir(step), no_dist=True)
 
+    def durable_s(self, started: float) -> float:
+        """Seconds from ``started`` (the last save's start) until that save was durable;
+        call after :meth:`wait`."""
+        if self.ckpt is not None:
+            return float(self.ckpt.last_timings["durable_s"])
+        return (self.done_at or time.perf_counter()) - started
+
+    def staging_bytes(self) -> int:
+        """Size of dcpstore's staging arena (0: none, or not dcpstore)."""
+        stager = getattr(self.ckpt, "stager", None)
+        return stager.nbytes if stager is not None else 0
+
     def close(self) -> None:
         if self.ckpt is not None:
             self.ckpt.close()
         elif self.stager is not None:
             self.stager.close()
+
+
+def _rss_parts(pid: int) -> tuple[int, int]:
+    """``(RssAnon + RssFile, RssShmem)`` of ``pid`` in bytes (``(0, 0)`` once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
+    except OSError:
+        return 0, 0
+    kib = {k: int(v.split()[0]) for k, v in fields.items()}
+    return ((kib.get("RssAnon", 0) + kib.get("RssFile", 0)) * 1024,
+            kib.get("RssShmem", 0) * 1024)
+
+
+def host_bytes() -> int:
+    """Resident host memory of this process and its children: private pages summed,
+    shared-memory pages counted once (the largest mapping of them), since a background
+    writer process maps the same staging arena as its trainer."""
+    import psutil
+
+    pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
+    parts = [_rss_parts(pid) for pid in pids]
+    return sum(p for p, _ in parts) + max((s for _, s in parts), default=0)
+
+
+class HostMemory:
+    """Samples :func:`host_bytes` every ``interval`` seconds in a thread; ``peak`` is the
+    most seen. (Pinned memory that CUDA allocates itself, as ``pin_memory=True`` does, is
+    mapped from the driver and may not count as resident; dcpstore's arena is ordinary or
+    shared memory registered with CUDA, and does.)"""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.baseline = host_bytes()
+        self.peak = self.baseline
+        self._discount = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-memory", daemon=True)
+        self._thread.start()
+
+    def discount(self, nbytes: int) -> None:
+        """Leave out ``nbytes`` the measurement itself allocates from later samples."""
+        self._discount += nbytes
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, host_bytes() - self._discount)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def stop(self) -> int:
+        """Stop sampling; the peak above the baseline, in bytes."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            self._sample()
+        return self.peak - self.baseline
 
 
 def copy_limit(state: dict[str, torch.Tensor], device: torch.device,
@@ -213,10 +288,13 @@ def run_system(system: str, state: dict[str, torch.Tensor], step: _Step, saves: 
     delay: list[float] = []
     snapshot: dict[str, torch.Tensor] = {}
     durable_last = 0.0
+    memory = HostMemory()
     try:
         for n in range(1, saves + 1):
             if n == saves:  # what the last step must load back
                 snapshot = {k: v.clone() for k, v in state.items()}
+                if device.type == "cpu":  # the check's own copy, not the save's
+                    memory.discount(sum(t.nbytes for t in snapshot.values()))
             _sync(device)
             start = time.perf_counter()
             saver.wait()  # for the previous save: a step shorter than a write shows here
@@ -227,11 +305,14 @@ def run_system(system: str, state: dict[str, torch.Tensor], step: _Step, saves: 
             delay.append(max(0.0, step.run() - baseline_step))
             if n == saves:
                 saver.wait()
-                durable_last = time.perf_counter() - start
+                durable_last = saver.durable_s(start)
+        extra_host = memory.stop()
+        staging_bytes = saver.staging_bytes()
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         saver.load(saves, out)
         exact = all(torch.equal(out[k], snapshot[k]) for k in state)
     finally:
+        memory.stop()
         saver.close()
         shutil.rmtree(root, ignore_errors=True)
     steady = slice(1, None) if saves > 1 else slice(None)
@@ -245,6 +326,8 @@ def run_system(system: str, state: dict[str, torch.Tensor], step: _Step, saves: 
             b + d for b, d in zip(blocked[steady], delay[steady], strict=True)),
         "waited_steady_median_s": statistics.median(waited[steady]),
         "durable_last_s": durable_last,
+        "extra_host_bytes": extra_host,
+        "staging_bytes": staging_bytes,
         "bit_exact": exact,
     }
 
@@ -253,32 +336,72 @@ def render_markdown(result: dict[str, Any]) -> str:
     """The results as a Markdown report."""
     cfg = result["config"]
     limit = result["copy_limit_s"]
+    nbytes = result["state_bytes"]
     lines = [
         "# CUDA stall: GPU-resident state, one GPU",
         "",
-        f"{result['device_name']}, {format_bytes(result['state_bytes'])} in "
+        f"{result['device_name']}, {format_bytes(nbytes)} in "
         f"{cfg['tensors']} float32 tensors, {cfg['saves']} saves with a "
         f"{result['baseline_step_s']:.3f} s training step between them, local disk "
         f"`{cfg['root']}`; torch {result['torch']}, commit {result.get('commit') or '?'}. "
-        "Steady = saves 2..N.",
+        "Steady = saves 2..N. Extra host memory: the peak resident memory of the process "
+        "and its children above what it was before the system's first save, in copies of "
+        "the state.",
         "",
         f"copy limit (device-to-host into pinned memory allocated once, fastest of 3): "
-        f"**{limit:.3f} s** ({result['state_bytes'] / limit / 1e9:.1f} GB/s)",
+        f"**{limit:.3f} s** ({nbytes / limit / 1e9:.1f} GB/s)",
         "",
         "| system | blocked s, steady (x copy limit) | + next step's delay = stall s | "
-        "waited for the previous save, s | durable s, last save | last step bit-exact |",
-        "|---|--:|--:|--:|--:|:-:|",
+        "waited for the previous save, s | durable s, last save | extra host memory | "
+        "last step bit-exact |",
+        "|---|--:|--:|--:|--:|--:|:-:|",
     ]
     for r in result["systems"]:
         if "error" in r:
-            lines.append(f"| {r['system']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['system']} | failed: {r['error']} | | | | | |")
             continue
         b = r["blocked_steady_median_s"]
         lines.append(
             f"| {r['system']} | {b:.3f} ({b / limit:.2f}x) | {r['stall_steady_median_s']:.3f}"
             f" | {r['waited_steady_median_s']:.3f} | {r['durable_last_s']:.2f} | "
+            f"{r.get('extra_host_bytes', 0) / nbytes:.2f}x | "
             f"{'yes' if r['bit_exact'] else '**NO**'} |")
+    lines += ["", *target_lines(result)]
     return "\n".join(lines) + "\n"
+
+
+#: The issue's targets for an asynchronous save of GPU state.
+TARGETS = {"blocked": 1.2, "durable": 1.1, "host": 1.0}
+
+
+def target_lines(result: dict[str, Any]) -> list[str]:
+    """The targets, checked for each asynchronous dcpstore system: blocked <= 1.2x the
+    copy limit, durable <= 1.1x a blocking save's, extra host memory <= 1 copy."""
+    by_name = {r["system"]: r for r in result["systems"] if "error" not in r}
+    blocking = by_name.get("dcpstore[blocking]")
+    limit, nbytes = result["copy_limit_s"], result["state_bytes"]
+    lines = ["| target | " + " | ".join(
+        n for n in by_name if n.startswith("dcpstore[") and n != "dcpstore[blocking]")
+        + " |"]
+    names = [n for n in by_name if n.startswith("dcpstore[") and n != "dcpstore[blocking]"]
+    lines.append("|---|" + "--:|" * len(names))
+
+    def row(label: str, ratio: Callable[[dict[str, Any]], float | None], cap: float) -> str:
+        cells = []
+        for n in names:
+            value = ratio(by_name[n])
+            cells.append("n/a" if value is None else
+                         f"{value:.2f}x {'met' if value <= cap else '**missed**'}")
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    lines.append(row(f"blocked <= {TARGETS['blocked']}x copy limit",
+                     lambda r: r["blocked_steady_median_s"] / limit, TARGETS["blocked"]))
+    lines.append(row(f"durable <= {TARGETS['durable']}x blocking",
+                     lambda r: (r["durable_last_s"] / blocking["durable_last_s"]
+                                if blocking else None), TARGETS["durable"]))
+    lines.append(row(f"extra host memory <= {TARGETS['host']:.0f} copy",
+                     lambda r: r["extra_host_bytes"] / nbytes, TARGETS["host"]))
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -55,12 +55,14 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def build(world_size: int, seed: int) -> tuple[Net, torch.optim.Optimizer]:
+def build(world_size: int, seed: int, device: str = "cpu") -> tuple[Net, torch.optim.Optimizer]:
     """A :class:`Net` seeded with ``seed``, each block and then the root sharded with
-    FSDP2 over a 1-D CPU mesh of ``world_size`` ranks, and its AdamW."""
+    FSDP2 over a 1-D mesh of ``world_size`` ranks on ``device`` (``"cpu"`` or
+    ``"cuda"``, the rank's current GPU), and its AdamW."""
     torch.manual_seed(seed)
-    model = Net()
-    mesh = init_device_mesh("cpu", (world_size,))
+    model = Net().to(torch.device(device, torch.cuda.current_device())
+                     if device == "cuda" else device)
+    mesh = init_device_mesh(device, (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -69,11 +71,13 @@ def build(world_size: int, seed: int) -> tuple[Net, torch.optim.Optimizer]:
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int = 7,
           batch: int = 8) -> list[float]:
-    """``steps`` optimizer steps on random inputs (seeded per rank); the losses."""
+    """``steps`` optimizer steps on random inputs (seeded per rank, made on the CPU and
+    moved to the model's device); the losses."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
+    device = next(model.parameters()).device
     losses = []
     for _ in range(steps):
-        loss = model(torch.randn(batch, Net.IN, generator=g)).pow(2).mean()
+        loss = model(torch.randn(batch, Net.IN, generator=g).to(device)).pow(2).mean()
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -88,7 +92,8 @@ def sharded_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, A
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """Gathered model + optimizer state (every rank gets it; tensors on CPU)."""
+    """Gathered model + optimizer state, on the CPU (rank 0 gets it; the other ranks get
+    empty dicts)."""
     msd, osd = get_state_dict(model, optim, options=_FULL)
     # a copy: some values (the optimizer's "step") come back by reference
     return copy.deepcopy({"model": msd, "optim": osd})

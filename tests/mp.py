@@ -1,5 +1,5 @@
-"""The one rank launcher of the tests: run a function on N torch.distributed ranks (gloo,
-CPU, 127.0.0.1).
+"""The one rank launcher of the tests: run a function on N torch.distributed ranks (gloo on
+the CPU by default, NCCL for the GPU suite; 127.0.0.1).
 
 - :func:`run_ranks` returns each rank's value and raises with every failing rank's
   traceback (the common case);
@@ -68,7 +68,7 @@ def _write_result(path: str, obj: Any) -> None:
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
            args: tuple[Any, ...], environ: dict[str, str], outdir: str,
-           gloo_timeout: float, barrier: bool) -> None:
+           gloo_timeout: float, barrier: bool, backend: str = "gloo") -> None:
     os.environ.clear()  # the forkserver's environment is older than the caller's
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -78,7 +78,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
         f.write(str(os.getpid()))
     result: dict[str, Any]
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK would give
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=gloo_timeout))
         result = {"status": "ok", "value": fn(rank, world_size, *args)}
         if barrier:
@@ -114,13 +116,13 @@ def _context() -> Any:
 
 def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], *, outdir: str,
             environ: dict[str, str], victim_grace: float, gloo_timeout: float,
-            timeout: float, barrier: bool) -> LaunchResult:
+            timeout: float, barrier: bool, backend: str = "gloo") -> LaunchResult:
     os.makedirs(outdir, exist_ok=True)
     ctx = _context()
     port = free_port()
     started = time.monotonic()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, environ, outdir,
-                                              gloo_timeout, barrier))
+                                              gloo_timeout, barrier, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -187,16 +189,17 @@ def run_killable(fn: Callable[..., Any], world_size: int, *args: Any, outdir: st
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout: float = 240) -> list[Any]:
+              timeout: float = 240, backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks, with the caller's
-    environment.
+    environment, over a ``backend`` process group (``"nccl"``: rank ``r`` on GPU
+    ``r % device_count``).
 
     Returns the per-rank return values; raises with each failing rank's traceback.
     """
     with tempfile.TemporaryDirectory(prefix="dcpstore-ranks-") as outdir:
         result = _launch(fn, world_size, args, outdir=outdir, environ=dict(os.environ),
                          victim_grace=0.0, gloo_timeout=timeout, timeout=timeout,
-                         barrier=True)
+                         barrier=True, backend=backend)
     out = result.results
     errors = [f"rank {r}: {v['error']}" for r, v in sorted(out.items())
               if v["status"] == "error"]
