@@ -24,7 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dcpstore import _compat
-from dcpstore._version import __version__
+from dcpstore._version import __version__, check_torch_floor
 
 if TYPE_CHECKING:
     from dcpstore.dcp.api import get_reader, get_writer, load, save
@@ -35,6 +35,21 @@ if TYPE_CHECKING:
     from dcpstore.training.weights import export, load_model_weights
 
 _compat.install()
+
+
+def _check_torch_floor() -> None:
+    """Fail ``import dcpstore`` on a torch older than the floor, naming it (without
+    importing torch: the installed release's metadata says which it is)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torch")
+    except PackageNotFoundError:  # no torch: the first use that needs it says so
+        return
+    check_torch_floor(found)
+
+
+_check_torch_floor()
 
 __all__ = [
     "AppState",

@@ -86,6 +86,8 @@ def corrupt_payload_byte(uri: str, options: dict[str, Any], fqn: str) -> None:
 
 
 def _load(state: dict[str, Any], uri: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A plain ``dcp.load`` with a dcpstore reader; ``process_group=None`` (the world) in
+    ``options`` tells the reader the load's group, as :func:`dcpstore.load` does."""
     reader = dcpstore.get_reader(uri, **options)
     try:
         dcp.load(state, storage_reader=reader)
@@ -118,11 +120,14 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
         backend.delete([max(files, key=lambda o: o.size).key])
     dist.barrier()
 
+    world = {"process_group": None}
     for phase, root, make, extra in (
-        ("rep_on", roots["rep"], replicated_state, {}),
-        ("rep_off", roots["rep"], replicated_state, {"broadcast_reads": False}),
-        ("hsdp_on", roots["hsdp"], hsdp_state, {}),
-        ("inc_on", roots["inc2"], incremental_state, {}),
+        ("rep_on", roots["rep"], replicated_state, world),
+        ("rep_off", roots["rep"], replicated_state, {"broadcast_reads": False, **world}),
+        ("hsdp_on", roots["hsdp"], hsdp_state, world),
+        ("inc_on", roots["inc2"], incremental_state, world),
+        # no group given: every rank reads .metadata, the data reads are still shared
+        ("rep_nogroup", roots["rep"], replicated_state, {}),
     ):
         state = make(False)
         stats = _load(state, root, {**via[phase], **extra})
@@ -132,7 +137,7 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
 
     state = replicated_state(False)
     try:
-        _load(state, roots["bad"], direct)
+        _load(state, roots["bad"], {**direct, **world})
         out["bad"] = "loaded"
     except CheckpointException as exc:
         out["bad"] = {
@@ -146,4 +151,32 @@ def read_once_run(rank: int, world: int, roots: dict[str, str], direct: dict[str
         out["gone"] = "loaded"
     except Exception as exc:
         out["gone"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def nccl_world_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The world's backend as if it were NCCL (it cannot move the CPU tensors the shared
+    bytes travel in): a load given the world as its group shares over a gloo side group
+    made once over the world. Then a load whose reader was given no group: shared over
+    the world all the same, with one warning."""
+    from dcpstore.dcp import reader as reader_module
+
+    dcpstore.save(replicated_state(True), root)
+    real = read_share._moves_cpu_tensors
+
+    def nccl_world(group: Any) -> bool:
+        return False if group is None or group is dist.group.WORLD else real(group)
+
+    read_share._moves_cpu_tensors = nccl_world  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    try:
+        for phase, extra in (("world", {"process_group": None}), ("nogroup", {})):
+            state = replicated_state(False)
+            out[phase] = _load(state, root, {"broadcast_reads": True, **extra})
+            assert_state_equal(_local(state), _local(replicated_state(True)))
+            side = read_share._SIDE_GROUPS.get(dist.group.WORLD)
+            out[phase]["side_group"] = None if side is None else str(dist.get_backend(side))
+    finally:
+        read_share._moves_cpu_tensors = real  # type: ignore[assignment]
+    out["warned"] = reader_module._warned.is_set()
     return out

@@ -284,9 +284,9 @@ def test_resolve_parses_once_and_splits_options(
 
 
 #: The layers, lowest first: a module may import its own layer and the ones below it.
-_LAYERS = {"errors": 0, "_version": 0, "_compat": 0, "storage": 1, "dcp": 2, "training": 3,
-           "tools": 4, "integrations": 5, "testing": 5, "plugin": 5, "__init__": 6,
-           "__main__": 6}
+_LAYERS = {"errors": 0, "_version": 0, "_compat": 0, "torch_internals": 0, "storage": 1,
+           "dcp": 2, "training": 3, "tools": 4, "integrations": 5, "testing": 5, "plugin": 5,
+           "__init__": 6, "__main__": 6}
 
 
 def test_no_layer_imports_a_layer_above_it() -> None:

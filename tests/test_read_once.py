@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from mp import run_ranks
-from read_once_workers import read_once_run
+from read_once_workers import nccl_world_run, read_once_run
 from stores import build_store
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -30,7 +30,7 @@ from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
-PHASES = ("rep_on", "rep_off", "hsdp_on", "inc_on")
+PHASES = ("rep_on", "rep_off", "hsdp_on", "inc_on", "rep_nogroup")
 
 
 def _counting(gets: Counter[str]) -> FaultPlan:
@@ -87,6 +87,18 @@ def test_read_once_replicated_and_hsdp(request: pytest.FixtureRequest, tmp_path:
         manifests = [n for n in gets[phase] if n.startswith(".dcpstore-")]
         assert [gets[phase][n] for n in metadata + manifests] == [1, 1], (phase, gets[phase])
     assert gets["rep_off"][".metadata"] == WORLD, gets["rep_off"]
+    # no process group given to the reader: each rank reads .metadata, the coordinator
+    # alone the manifest, and the data reads are shared all the same (a world load)
+    nogroup = gets["rep_nogroup"]
+    assert nogroup[".metadata"] == WORLD, nogroup
+    assert [v for n, v in nogroup.items() if n.startswith(".dcpstore-")] == [1], nogroup
+    backend = dcpstore.open_backend(roots["rep"], **store.options)
+    try:
+        metadata_size = backend.stat(".metadata").size
+    finally:
+        backend.close()
+    assert down["rep_nogroup"] <= down["rep_on"] + (WORLD - 1) * metadata_size, report
+    assert min(r["rep_nogroup"]["bytes_received"] for r in results) > 0, report
     # the fetching is spread: no rank fetched (much) more than its share
     for phase, total in (("rep_on", rep), ("hsdp_on", hsdp)):
         fetched = [r[phase]["bytes_read"] for r in results]
@@ -166,3 +178,14 @@ def test_broadcast_reads_option_from_the_uri() -> None:
                          ("?broadcast_reads=true", True)):
         reader = dcpstore.get_reader(f"s3://b/ckpt{query}", endpoint_url="http://127.0.0.1:9")
         assert reader.options.broadcast_reads is value
+
+
+def test_an_nccl_world_shares_over_a_gloo_side_group(tmp_path: Path) -> None:
+    """What one GPU cannot show (tests/gpu needs 2 for it): with the world's backend
+    unable to move CPU tensors, as NCCL's, the shared bytes go over a gloo side group,
+    given the group or not; a reader given no group warns once, on the coordinator."""
+    results = run_ranks(nccl_world_run, 2, str(tmp_path / "ckpt"))
+    for phase in ("world", "nogroup"):
+        assert [r[phase]["side_group"] for r in results] == ["gloo", "gloo"], results
+        assert sum(r[phase]["bytes_received"] for r in results) > 0, results
+    assert [r["warned"] for r in results] == [True, False], results

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
 
-from dcpstore.dcp.dist import is_distributed, single_process_quiet, unwrap
+from dcpstore.dcp.dist import UNSET, is_distributed, single_process_quiet, unwrap
 from dcpstore.dcp.reader import Reader
 from dcpstore.dcp.writer import Writer
 from dcpstore.errors import CheckpointMismatchError
@@ -27,7 +27,7 @@ URI = str | os.PathLike[str]
 
 
 def get_writer(uri: URI | Resolved, *, backend: str | None = None,
-               **options: Any) -> Writer:
+               process_group: Any = UNSET, **options: Any) -> Writer:
     """A DCP ``StorageWriter`` that saves to ``uri``.
 
     Args:
@@ -36,6 +36,9 @@ def get_writer(uri: URI | Resolved, *, backend: str | None = None,
             resolved by :func:`dcpstore.storage.resolve.resolve` (with ``role="writer"``;
             then no other options), so a caller that resolved it does not again.
         backend: Route through this backend regardless of the scheme.
+        process_group: The process group of the ``dcp.save`` this writer serves
+            (``None``: the world); its ranks name the data files. Not given: DCP's rank
+            when it passes one, else the global rank.
         **options: :class:`~dcpstore.WriterOptions` fields (``overwrite``,
             ``files_per_rank``, ...), the backend's options, and ``_extensions`` (DCP
             stream transforms such as ``[ZStandard()]``).
@@ -46,16 +49,21 @@ def get_writer(uri: URI | Resolved, *, backend: str | None = None,
     extensions = options.pop("_extensions", None)
     resolved = _resolved(uri, backend, "writer", options)
     return Writer(resolved.open_backend(), resolved.writer(), extensions=extensions,
-                  rebind=resolved.rebind)
+                  rebind=resolved.rebind, process_group=process_group)
 
 
 def get_reader(uri: URI | Resolved, *, backend: str | None = None,
-               **options: Any) -> Reader:
+               process_group: Any = UNSET, **options: Any) -> Reader:
     """A DCP ``StorageReader`` that loads from ``uri``.
 
     Args:
         uri: Checkpoint location, or a resolved one (see :func:`get_writer`).
         backend: Route through this backend regardless of the scheme.
+        process_group: The process group of the ``dcp.load`` this reader serves
+            (``None``: the world), so that one rank reads ``.metadata`` and the manifest
+            for all and bytes several ranks need are fetched once. Not given: every
+            rank reads ``.metadata`` itself, and reads are shared only when the load
+            runs over the whole world (a warning says so once).
         **options: :class:`~dcpstore.ReaderOptions` fields (``verify``,
             ``coalesce_gap``, ``allow_pickle``, ...), the backend's options, and
             ``_extension_registry``.
@@ -63,7 +71,7 @@ def get_reader(uri: URI | Resolved, *, backend: str | None = None,
     registry = options.pop("_extension_registry", None)
     resolved = _resolved(uri, backend, "reader", options)
     return Reader(resolved.open_backend(), resolved.reader(), extension_registry=registry,
-                  rebind=resolved.rebind)
+                  rebind=resolved.rebind, process_group=process_group)
 
 
 def _resolved(uri: URI | Resolved, backend: str | None, role: Role,
@@ -152,7 +160,7 @@ def save(
             as_staging_options(staging))
         state_dict = stager.stage(state_dict)
         stager.synchronize()
-    writer = get_writer(uri, backend=backend, **options)
+    writer = get_writer(uri, backend=backend, process_group=process_group, **options)
     try:
         with single_process_quiet():
             return dcp.save(state_dict, storage_writer=writer, planner=planner,
@@ -204,7 +212,7 @@ def load(
         CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError,
         CheckpointMismatchError, UnsafeCheckpointError: see :mod:`dcpstore.errors`.
     """
-    reader = get_reader(uri, backend=backend, **options)
+    reader = get_reader(uri, backend=backend, process_group=process_group, **options)
     try:
         with single_process_quiet():
             dcp.load(state_dict, storage_reader=reader, planner=planner or CheckedLoadPlanner(),

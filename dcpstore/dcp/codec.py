@@ -32,7 +32,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import _weights_only_unpickler
+
+from dcpstore.torch_internals import (
+    element_size,
+    restricted_unpickler,
+    tensor_archive_writer,
+    write_tensor_archive,
+)
 
 __all__ = ["ViewFile", "decode_tensor", "encode_tensor"]
 
@@ -56,10 +62,9 @@ def _probe_fast_save() -> bool:
 
 
 def _save_without_crc(tensor: torch.Tensor, stream: Any) -> None:
-    serialization: Any = torch.serialization
-    writer = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+    writer = tensor_archive_writer(stream)
     try:
-        serialization._save(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+        write_tensor_archive(tensor, writer)
     except BaseException:
         # Finalize here, where a failure is only an exception: left unfinalized, the
         # writer's destructor finalizes it, and a failing stream (a store error) then
@@ -221,7 +226,7 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         key = key.decode() if isinstance(key, bytes) else str(key)
         if key not in storages:
-            nbytes = int(numel) * torch._utils._element_size(dtype)
+            nbytes = int(numel) * element_size(dtype)
             if nbytes:
                 untyped = torch.frombuffer(record(f"data/{key}", nbytes), dtype=torch.uint8)
                 untyped_storage = untyped.untyped_storage()
@@ -232,10 +237,8 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
             )
         return storages[key]
 
-    unpickler = _weights_only_unpickler.Unpickler(
-        io.BytesIO(bytes(record("data.pkl"))), encoding="utf-8"
-    )
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    unpickler = restricted_unpickler(io.BytesIO(bytes(record("data.pkl"))))
+    unpickler.persistent_load = persistent_load
     result = unpickler.load()
     if not isinstance(result, torch.Tensor):
         raise pickle.UnpicklingError(f"expected a tensor, found {type(result).__name__}")

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from typing_extensions import Buffer
@@ -24,6 +23,7 @@ from dcpstore.dcp.codec import encode_tensor
 from dcpstore.dcp.incremental import _BaseItem, _ChunkKey, _unchanged
 from dcpstore.dcp.manifest import FileRecord, Payload
 from dcpstore.storage.backend import Backend, Upload
+from dcpstore.torch_internals import StorageWriterTransforms
 
 __all__ = ["PAYLOAD_BLOCK"]
 
@@ -143,7 +143,7 @@ def _write_data_file(
     started = time.perf_counter()
     upload = backend.open_upload(name, size_hint=size_hint)
     stream = _ChecksumStream(upload)
-    transforms = _StorageWriterTransforms(extensions) if extensions else None
+    transforms = StorageWriterTransforms(extensions) if extensions else None
     written: list[tuple[WriteItem, _WrittenItem]] = []
     referenced: list[tuple[WriteItem, _WrittenItem]] = []
     records: list[tuple[int, int, int]] = []

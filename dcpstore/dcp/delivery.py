@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcpstore import errors
@@ -35,6 +33,7 @@ from dcpstore.dcp.codec import ViewFile, decode_tensor
 from dcpstore.dcp.manifest import Manifest
 from dcpstore.dcp.read_plan import ChunkIndex, CoalescedRange, ItemRead
 from dcpstore.storage.backend import Backend, ReadRange, uninitialized_buffer
+from dcpstore.torch_internals import StorageInfo, StorageReaderTransforms, narrow_tensor_by_index
 
 __all__ = ["Delivery", "LazyLayouts", "fetch_and_deliver"]
 
@@ -61,7 +60,7 @@ class Delivery:
     planner: LoadPlanner
     manifest: Manifest | None
     chunks: ChunkIndex
-    transforms: _StorageReaderTransforms
+    transforms: StorageReaderTransforms
     _: dataclasses.KW_ONLY
     allow_pickle: bool = False
     #: Tensor items read straight into their destination so far.
@@ -147,7 +146,7 @@ class Delivery:
             return None
         return target
 
-    def _direct_target(self, req: ReadItem, info: _StorageInfo
+    def _direct_target(self, req: ReadItem, info: StorageInfo
                        ) -> tuple[torch.Tensor, int] | None:
         """The destination tensor and the payload's start in the item, when the item's
         payload can be read straight into it."""
@@ -211,7 +210,7 @@ class Delivery:
         self.planner.commit_tensor(req, target)
 
     def _deliver_direct(
-        self, req: ReadItem, info: _StorageInfo, view: Callable[[int, int], memoryview],
+        self, req: ReadItem, info: StorageInfo, view: Callable[[int, int], memoryview],
         start: int, payload: memoryview, target: torch.Tensor,
     ) -> None:
         head = view(info.offset, start)
@@ -229,11 +228,11 @@ class Delivery:
         self.planner.commit_tensor(req, target)
 
     def _deliver_staged(
-        self, req: ReadItem, info: _StorageInfo, view: Callable[[int, int], memoryview],
+        self, req: ReadItem, info: StorageInfo, view: Callable[[int, int], memoryview],
     ) -> None:
         self._deliver(req, info, view(info.offset, info.offset + info.length))
 
-    def _deliver(self, req: ReadItem, info: _StorageInfo, view: memoryview) -> None:
+    def _deliver(self, req: ReadItem, info: StorageInfo, view: memoryview) -> None:
         self._verify(req, info, view)
         if info.transform_descriptors:
             source: Any = ViewFile(view)
@@ -261,7 +260,7 @@ class Delivery:
 
     # -- checks ------------------------------------------------------------------------
 
-    def _verify(self, req: ReadItem, info: _StorageInfo, *pieces: memoryview) -> None:
+    def _verify(self, req: ReadItem, info: StorageInfo, *pieces: memoryview) -> None:
         """Check a whole item's bytes (``pieces`` in order) against the manifest."""
         if self.manifest is None:
             return
@@ -288,7 +287,7 @@ class Delivery:
                 "restore it or load an older checkpoint."
             )
 
-    def _decode(self, info: _StorageInfo, fqn: str, pieces: list[memoryview]) -> torch.Tensor:
+    def _decode(self, info: StorageInfo, fqn: str, pieces: list[memoryview]) -> torch.Tensor:
         """Decode a tensor item (zero-copy), with errors that name file and item."""
         try:
             return decode_tensor(pieces)
@@ -303,7 +302,7 @@ class Delivery:
                 f"{info.offset} cannot be decoded: {exc}"
             ) from exc
 
-    def _check_weights_only(self, fqn: str, info: _StorageInfo, data: bytes) -> None:
+    def _check_weights_only(self, fqn: str, info: StorageInfo, data: bytes) -> None:
         try:
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:

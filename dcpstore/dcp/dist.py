@@ -6,13 +6,28 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcpstore.errors import DcpstoreError
 
-__all__ = ["is_distributed", "single_process_quiet", "unwrap"]
+__all__ = ["UNSET", "is_distributed", "single_process_quiet", "unwrap"]
+
+
+class _Unset:
+    """The type of :data:`UNSET`."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:  # one object in every process
+        return "UNSET"
+
+
+#: A ``process_group`` argument not given (``None`` means the world).
+UNSET: Any = _Unset()
 
 
 def is_distributed() -> bool:

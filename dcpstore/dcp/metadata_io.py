@@ -61,10 +61,10 @@ def parse_metadata(raw: bytes, *, source: str, trusted: bool = False) -> Metadat
         IntegrityError: It is damaged or is not DCP metadata.
     """
     # torch here, not at the top: listing checkpoints (``dcpstore ls``) does not import it
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
     from dcpstore.dcp.safe_pickle import safe_loads
+    from dcpstore.torch_internals import StorageInfo
 
     try:
         metadata = safe_loads(raw, source=source, trusted=trusted)
@@ -78,7 +78,7 @@ def parse_metadata(raw: bytes, *, source: str, trusted: bool = False) -> Metadat
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         path, *sizes = (getattr(info, name, None) for name in ("relative_path", "offset",
                                                                "length"))
-        if not (isinstance(info, _StorageInfo) and isinstance(path, str)
+        if not (isinstance(info, StorageInfo) and isinstance(path, str)
                 and all(isinstance(n, int) and n >= 0 for n in sizes)):
             raise IntegrityError(f"{source}: storage entry of "
                                  f"{getattr(index, 'fqn', index)!r} is malformed")

@@ -8,7 +8,6 @@ import logging
 import math
 from collections.abc import Sequence
 
-import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcpstore.dcp.upload_window import _UploadWindow
@@ -16,6 +15,8 @@ from dcpstore.storage.backend import Backend
 from dcpstore.storage.options import AUTO_MAX_FILES
 
 __all__: list[str] = []
+
+from dcpstore.torch_internals import element_size
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def _item_nbytes(item: WriteItem) -> int:
     tensor's: a shard of a tensor sharded over W ranks would count W times)."""
     if item.tensor_data is None:
         return 0
-    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(
+    return math.prod(item.tensor_data.chunk.sizes) * element_size(
         item.tensor_data.properties.dtype)
 
 

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcpstore.dcp.manifest import Manifest, Payload
 from dcpstore.errors import IntegrityError
+from dcpstore.torch_internals import StorageInfo, element_size
 
 __all__ = [
     "BlockSpan",
@@ -109,7 +109,7 @@ class ItemRead:
     :class:`BlockSpan`) whole blocks of its payload."""
 
     req: ReadItem
-    info: _StorageInfo
+    info: StorageInfo
     offset: int
     length: int
     partial: BlockSpan | None = None
@@ -130,7 +130,7 @@ class CoalescedRange:
     items: list[ItemRead] = field(default_factory=list)
 
 
-def plan_item(req: ReadItem, info: _StorageInfo, manifest: Manifest | None,
+def plan_item(req: ReadItem, info: StorageInfo, manifest: Manifest | None,
               chunks: ChunkIndex) -> ItemRead:
     """What to fetch for one read item: the whole item, or only the payload blocks
     around the box it needs (a reshard load that needs part of a saved chunk).
@@ -154,7 +154,7 @@ def plan_item(req: ReadItem, info: _StorageInfo, manifest: Manifest | None,
             or any(o < 0 or o + n > size
                    for o, n, size in zip(offsets, lengths, sizes, strict=True))):
         return whole
-    itemsize = torch._utils._element_size(dtype)
+    itemsize = element_size(dtype)
     strides = [1] * len(sizes)
     for d in range(len(sizes) - 2, -1, -1):
         strides[d] = strides[d + 1] * sizes[d + 1]
@@ -180,7 +180,7 @@ def plan_item(req: ReadItem, info: _StorageInfo, manifest: Manifest | None,
     return ItemRead(req, info, info.offset + payload.start + lo, hi - lo, span)
 
 
-def plan_reads(items: Iterable[ReadItem], storage_data: Mapping[MetadataIndex, _StorageInfo],
+def plan_reads(items: Iterable[ReadItem], storage_data: Mapping[MetadataIndex, StorageInfo],
                manifest: Manifest | None, chunks: ChunkIndex, *, uri: str
                ) -> list[ItemRead]:
     """:func:`plan_item` for every item of a load plan.

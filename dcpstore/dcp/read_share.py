@@ -6,9 +6,12 @@ and biases under tensor parallelism, optimizer scalars). Fetching them once and 
 them rank to rank turns N store reads of a replicated byte into one, and spreads the
 fetching over the ranks.
 
-- :func:`share_context` finds the process group of the running ``dcp.load`` (DCP's
-  ``_DistWrapper`` up the call stack) and the group the bytes travel over: DCP's own when
-  its backend moves CPU tensors (gloo), else a gloo side group made once over the world.
+- :func:`share_context` turns the load's process group into the group the bytes travel
+  over: the load's own when its backend moves CPU tensors (gloo), else a gloo side group
+  made once over the world (an NCCL world). The reader knows the load's group when it
+  was given one (``get_reader(process_group=...)``; :func:`dcpstore.load` always gives
+  it); otherwise the coordinator finds it from the plans DCP hands it (one per rank of
+  the world) and tells the other ranks in their plans.
 - :func:`broadcast_blobs` sends the coordinator's byte strings (``.metadata`` and the
   manifest) or its error to every rank, so only the coordinator asks the store.
 - :func:`plan_sharing` (coordinator, ``prepare_global_plan``) finds the byte ranges
@@ -30,11 +33,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import torch
@@ -105,57 +106,36 @@ class ShareContext:
         return self.rank == self.coordinator
 
 
-def _dcp_wrapper(reader: Any) -> Any:
-    """DCP's ``_DistWrapper`` of the ``dcp.load`` running on this thread with ``reader``
-    as its storage reader, if any (a reader used otherwise, even inside a load, reads
-    alone)."""
-    try:
-        from torch.distributed.checkpoint.utils import _DistWrapper
-    except ImportError:  # pragma: no cover - torch moved it
-        return None
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(32):
-        if frame is None:
-            return None
-        scope = frame.f_locals
-        if scope.get("storage_reader") is reader:
-            for value in scope.values():
-                if isinstance(value, _DistWrapper):
-                    return value
-        frame = frame.f_back
-    return None
-
-
 def _moves_cpu_tensors(group: Any) -> bool:
     return any(name in str(dist.get_backend(group)) for name in ("gloo", "mpi"))
 
 
-def share_context(reader: Any) -> ShareContext | None:
-    """The process group of the ``dcp.load`` calling this with ``reader``, or ``None``
-    when there is no one to share with (one rank, ``no_dist=True``, no process group, or
-    a group whose backend cannot move CPU tensors and is not the world).
+def share_context(group: Any, coordinator: int = 0) -> ShareContext | None:
+    """Where the ranks of a load over ``group`` (``None``: the world) share bytes, or
+    ``None`` when there is no one to share with (no process group, one rank, or a group
+    whose backend cannot move CPU tensors and is not the world).
+
+    Args:
+        group: The load's process group (DCP's ``process_group``).
+        coordinator: DCP's coordinator, as a rank of ``group``.
 
     Collective when it returns a context for the first time over an NCCL-only world: it
     makes the gloo side group there (every rank of the load calls it at the same point).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    wrapper = _dcp_wrapper(reader)
-    if wrapper is None or not wrapper.use_dist:
-        return None
-    group = wrapper.group
     size = dist.get_world_size(group)
     if size < 2:
         return None
-    rank, coordinator = dist.get_rank(group), wrapper.coordinator_rank
+    rank = dist.get_rank(group)
     if _moves_cpu_tensors(group):
         return ShareContext(group, rank, size, coordinator)
-    if group is not None and group is not dist.group.WORLD:
+    world = dist.group.WORLD
+    if group is not None and group is not world:
         logger.info("read sharing is off: the load's process group (%s) cannot move CPU "
                     "tensors and is not the world, where a gloo side group could be made",
                     dist.get_backend(group))
         return None
-    world = dist.group.WORLD
     if world not in _SIDE_GROUPS:
         _SIDE_GROUPS[world] = dist.new_group(backend="gloo")
     return ShareContext(_SIDE_GROUPS[world], rank, size, coordinator)

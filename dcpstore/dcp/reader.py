@@ -11,6 +11,13 @@ The reader itself only follows DCP's calls; the work is done by one module per j
 Only the coordinator of a ``dcp.load`` holds the whole integrity manifest: it sends each
 rank the records of the items that rank reads in its load plan (:class:`RankReads`), so
 what a rank holds grows with its own share of the checkpoint, not with the world size.
+
+The load's process group comes from the caller (``get_reader(process_group=...)``;
+:func:`dcpstore.load` passes its own) or, when none was given, from DCP's calls: the
+coordinator learns from the plans it is handed how many ranks load, and which rank
+coordinates comes with ``set_up_storage_reader``. Without a group given, every rank reads
+``.metadata`` itself (as torch's own readers do); the data reads are still shared when
+the load runs over the whole world.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -32,6 +40,7 @@ from dcpstore.dcp import layout, metadata_io, read_share
 from dcpstore.dcp.bound import BoundToBackend
 from dcpstore.dcp.checksum import crc32c
 from dcpstore.dcp.delivery import Delivery, fetch_and_deliver
+from dcpstore.dcp.dist import UNSET
 from dcpstore.dcp.manifest import SAVE_ID_PREFIX, Manifest
 from dcpstore.dcp.read_plan import ChunkIndex, ItemRead, chunk_index, coalesce, plan_reads
 from dcpstore.dcp.references import root_key, run_root
@@ -39,6 +48,7 @@ from dcpstore.errors import CheckpointNotFoundError, DcpstoreError, IntegrityErr
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.local import LocalBackend
 from dcpstore.storage.options import ReaderOptions
+from dcpstore.torch_internals import StorageInfo, StorageReaderTransforms
 
 __all__ = ["RankReads", "Reader", "ReaderOptions"]
 
@@ -54,10 +64,27 @@ class RankReads:
             (:meth:`~dcpstore.dcp.manifest.Manifest.subset`); ``None``: the checkpoint has no
             manifest, or the load does not verify.
         share: This rank's part of the read-once schedule (``None``: no sharing).
+        world_coordinator: With sharing over the world that the reader found by itself
+            (no group was given): the coordinator's rank, so that every rank joins the
+            same transport group; ``None`` otherwise.
     """
 
     manifest: Manifest | None
     share: read_share.RankShare | None = None
+    world_coordinator: int | None = None
+
+
+_warned = threading.Event()
+
+
+def _warn_group_unknown(ranks: int) -> None:
+    if not _warned.is_set():
+        _warned.set()
+        logger.warning(
+            "dcp.load ran on %d ranks with a dcpstore reader that was given no "
+            "process_group: every rank read .metadata itself, and bytes several ranks need "
+            "are shared only when the load runs over the whole world. Pass the load's group "
+            "to get_reader(process_group=...) (dcpstore.load does) to read them once.", ranks)
 
 
 class Reader(BoundToBackend, StorageReader):
@@ -96,16 +123,20 @@ class Reader(BoundToBackend, StorageReader):
         extension_registry: Decoders for DCP stream transforms (defaults to torch's).
         rebind: Function turning a ``checkpoint_id`` passed to ``dcp.load`` into a
             backend with the same options (set by :func:`dcpstore.get_reader`).
+        process_group: The process group of the ``dcp.load`` this reader serves
+            (``None``: the world). Not given: learnt from DCP's calls (see the module).
     """
 
     _bound_as = "this Reader loads from"
 
     def __init__(self, backend: Backend, options: ReaderOptions | None = None, *,
-                 extension_registry: Any = None, rebind: Any = None) -> None:
+                 extension_registry: Any = None, rebind: Any = None,
+                 process_group: Any = UNSET) -> None:
         super().__init__(backend, rebind)
+        self.process_group = process_group
         self.options = options or ReaderOptions()
-        self._transforms = _StorageReaderTransforms(extension_registry)
-        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._transforms = StorageReaderTransforms(extension_registry)
+        self.storage_data: dict[MetadataIndex, StorageInfo] = {}
         self._chunks: ChunkIndex = {}
         self._metadata: Metadata | None = None
         #: The integrity manifest: the whole one on the coordinator (and when reading
@@ -173,6 +204,10 @@ class Reader(BoundToBackend, StorageReader):
         except BaseException as exc:
             if kwargs.get("rank") is None:
                 self.metadata_error = exc
+                # some torch releases (2.10) swallow this error and fail the load with
+                # only "metadata is None": the log is where a plain dcp.load says why
+                logger.error("cannot load %s: %s: %s", self.backend.uri,
+                             type(exc).__name__, exc)
             raise
 
     def set_up_storage_reader(
@@ -185,7 +220,14 @@ class Reader(BoundToBackend, StorageReader):
         self._metadata = metadata
         if not kwargs.get("use_collectives", True):
             self._share = None
-        if self.manifest is None and self.options.verify and not self._manifest_deferred:
+        if is_coordinator and self._manifest_deferred and self.manifest is None:
+            # DCP's coordinator plans every rank's reads: it holds the whole manifest
+            self._manifest_deferred = False
+            self.manifest = self._read_manifest(metadata)
+            if self.manifest is not None and self._metadata_digest is not None:
+                self.manifest.check_metadata_digest(
+                    *self._metadata_digest, source=f"{self.backend.uri}/.metadata")
+        elif self.manifest is None and self.options.verify and not self._manifest_deferred:
             # read_metadata ran on another object (e.g. metadata passed in directly)
             self.manifest = self._read_manifest(metadata)
         self._bind_references(metadata)
@@ -198,7 +240,8 @@ class Reader(BoundToBackend, StorageReader):
         """Give each rank the manifest records of its reads and, with sharing, give each
         byte range several ranks need to one of them (read once, share)."""
         shares: list[read_share.RankShare | None] = [None] * len(plans)
-        if self._share is not None:
+        world_coordinator = self._find_world_share(len(plans))
+        if self._share is not None or world_coordinator is not None:
             chunks = self._chunk_index(p.items for p in plans)
             requests = [plan_reads(p.items, self.storage_data, self.manifest, chunks,
                                    uri=self.backend.uri) for p in plans]
@@ -217,12 +260,28 @@ class Reader(BoundToBackend, StorageReader):
                 infos = (self.storage_data.get(i.storage_index) for i in plan.items)
                 mine = manifest.subset((info.relative_path, info.offset)
                                        for info in infos if info is not None)
-            out.append(dataclasses.replace(plan, storage_data=RankReads(mine, share)))
+            out.append(dataclasses.replace(
+                plan, storage_data=RankReads(mine, share, world_coordinator)))
         return out
+
+    def _find_world_share(self, ranks: int) -> int | None:
+        """The coordinator, given ``ranks`` plans, when no group was given: this rank's
+        global rank if the load runs over the whole world and its reads are shared (the
+        other ranks join the world's transport group in ``read_data``), else ``None``."""
+        if self.process_group is not UNSET or ranks < 2:
+            return None
+        _warn_group_unknown(ranks)
+        if (not self._sharing_wanted() or not dist.is_initialized()
+                or ranks != dist.get_world_size()):
+            return None
+        return dist.get_rank()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch, verify and deliver the items of this rank's ``plan``."""
         reads = plan.storage_data if isinstance(plan.storage_data, RankReads) else None
+        if reads is not None and reads.world_coordinator is not None and self._share is None:
+            # every rank of the world gets here: the transport group is made collectively
+            self._share = read_share.share_context(None, reads.world_coordinator)
         share = reads.share if reads is not None and self._share is not None else None
         if self._share is not None and share is None:
             raise DcpstoreError(
@@ -286,16 +345,18 @@ class Reader(BoundToBackend, StorageReader):
                 "a dcpstore checkpoint format"
             )
         self._manifest_header = self._metadata_digest = None
-        # another rank of a dcp.load gets the manifest records of its reads in its plan
-        self._manifest_deferred = self.options.verify and not self._is_coordinator()
-        if self._share is not None:
-            metadata, raw, self.manifest = self._shared_metadata(self._share)
+        # a rank other than DCP's coordinator gets the manifest records of its reads in
+        # its plan; which rank coordinates is known here with a group, else only in
+        # set_up_storage_reader (the coordinator reads the manifest there)
+        share = self._share
+        self._manifest_deferred = self.options.verify and not self._coordinates(share)
+        if share is not None:
+            metadata, raw, self.manifest = self._shared_metadata(share)
         else:
             metadata, raw = metadata_io.load_metadata(self.backend,
                                                       trusted=self.options.allow_unsafe_metadata,
                                                       diagnose_missing=True)
-            if not self._manifest_deferred:
-                self.manifest = self._read_manifest(metadata)
+            self.manifest = None if self._manifest_deferred else self._read_manifest(metadata)
         source = f"{self.backend.uri}/.metadata"
         for manifest in (self.manifest, self._manifest_header):
             if manifest is not None:
@@ -307,12 +368,30 @@ class Reader(BoundToBackend, StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _share_context(self) -> read_share.ShareContext | None:
-        """The ranks this load shares reads with, per ``broadcast_reads``."""
+    def _coordinates(self, share: read_share.ShareContext | None) -> bool:
+        """Whether this rank is known, before ``set_up_storage_reader``, to coordinate
+        the load (or to read alone): without a process group, or with a group given
+        (its rank 0, DCP's default coordinator). ``False`` when it cannot know yet."""
+        if share is not None:
+            return share.rank == share.coordinator
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        if self.process_group is UNSET:
+            return False
+        return dist.get_rank(self.process_group) == 0
+
+    def _sharing_wanted(self) -> bool:
+        """Whether reads are shared, per ``broadcast_reads`` (default: off for local
+        files, which every rank reads at page-cache speed)."""
         wanted = self.options.broadcast_reads
-        if wanted is False or (wanted is None and isinstance(self.backend, LocalBackend)):
+        return not (wanted is False
+                    or (wanted is None and isinstance(self.backend, LocalBackend)))
+
+    def _share_context(self) -> read_share.ShareContext | None:
+        """The ranks this load shares reads with, when its group is known."""
+        if self.process_group is UNSET or not self._sharing_wanted():
             return None
-        return read_share.share_context(self)
+        return read_share.share_context(self.process_group)
 
     def _shared_metadata(self, share: read_share.ShareContext
                          ) -> tuple[Metadata, bytes, Manifest | None]:
@@ -363,12 +442,6 @@ class Reader(BoundToBackend, StorageReader):
                 hint=" (its references cannot be checked without it)")
         metadata_io.check_references(metadata, manifest, source=f"{self.backend.uri}/.metadata")
         self._run_root = run_root(self.backend)
-
-    def _is_coordinator(self) -> bool:
-        """Whether this rank reads the whole manifest: DCP's coordinator, or a reader
-        used outside a collective ``dcp.load``."""
-        wrapper = read_share._dcp_wrapper(self)
-        return wrapper is None or not wrapper.use_dist or bool(wrapper.is_coordinator)
 
     def _chunk_index(self, plans: Any) -> ChunkIndex:
         """The saved chunks the read items of ``plans`` (iterables of items) read."""

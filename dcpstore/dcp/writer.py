@@ -29,7 +29,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -48,6 +47,7 @@ from dcpstore.dcp.commit import (
     _remove_save,
 )
 from dcpstore.dcp.data_file import PAYLOAD_BLOCK, _write_data_file, _WrittenItem
+from dcpstore.dcp.dist import UNSET
 from dcpstore.dcp.guard import check_global_plan, summarize_local_plan
 from dcpstore.dcp.incremental import (
     _Base,
@@ -70,6 +70,7 @@ from dcpstore.dcp.save_plan import (
 )
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.options import WriterOptions
+from dcpstore.torch_internals import StorageInfo
 
 __all__ = ["Writer", "WriterOptions", "payload_digest"]
 
@@ -93,13 +94,17 @@ class Writer(BoundToBackend, StorageWriter):
             torch's readers can decode them.
         rebind: Function turning a ``checkpoint_id`` passed to ``dcp.save`` into a
             backend with the same options (set by :func:`dcpstore.get_writer`).
+        process_group: The group of the ``dcp.save`` this writer serves (``None``: the
+            world): the rank that names its files when DCP passes none.
     """
 
     _bound_as = "this Writer saves to"
 
     def __init__(self, backend: Backend, options: WriterOptions | None = None, *,
-                 extensions: Sequence[Any] | None = None, rebind: Any = None) -> None:
+                 extensions: Sequence[Any] | None = None, rebind: Any = None,
+                 process_group: Any = UNSET) -> None:
         super().__init__(backend, rebind)
+        self.process_group = process_group
         self.options = options or WriterOptions()
         if self.options.files_per_rank is not None and self.options.files_per_rank < 1:
             raise ValueError(f"files_per_rank must be >= 1 or None (automatic), got "
@@ -145,8 +150,11 @@ class Writer(BoundToBackend, StorageWriter):
         self.is_coordinator = is_coordinator
         _take_pending_save_id()  # nothing left over from an earlier save on this thread
         rank = kwargs.get("rank")
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank is None and dist.is_available() and dist.is_initialized():
+            group = None if self.process_group is UNSET else self.process_group
+            rank = dist.get_rank(group)
+        if rank is None or rank < 0:  # -1: this process is not in the given group
+            rank = 0
         self.rank = int(rank)
         if kwargs.get("use_collectives", True) is False:
             raise errors.DcpstoreError(
@@ -223,14 +231,14 @@ class Writer(BoundToBackend, StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_data: dict[Any, _StorageInfo] = {}
+        storage_data: dict[Any, StorageInfo] = {}
         files: dict[str, FileRecord] = {}
         references: dict[str, FileRecord] = {}
         referenced = 0
         for rank_results in results:
             for wr in rank_results:
                 item = cast(_WrittenItem, wr.storage_data)
-                storage_data[wr.index] = _StorageInfo(
+                storage_data[wr.index] = StorageInfo(
                     item.relative_path, item.offset, item.length,
                     transform_descriptors=item.transform_descriptors,
                 )

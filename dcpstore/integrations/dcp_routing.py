@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from dcpstore import torch_internals
 from dcpstore.errors import DcpstoreError, InvalidURIError
 
 if TYPE_CHECKING:
@@ -54,8 +55,10 @@ ENV_VAR = "DCPSTORE_DCP_ROUTING"
 
 _SAVER = "torch.distributed.checkpoint.state_dict_saver"
 _LOADER = "torch.distributed.checkpoint.state_dict_loader"
-_UTILS = "torch.distributed.checkpoint._storage_utils"
-_EXPECTED_PARAMS = ["storage", "checkpoint_id", "reader"]
+# DCP's hook point is private to torch: dcpstore.torch_internals names it
+_UTILS = torch_internals.STORAGE_SETUP_MODULE
+_HOOK = torch_internals.STORAGE_SETUP_NAME
+_EXPECTED_PARAMS = torch_internals.STORAGE_SETUP_PARAMS
 
 _lock = threading.RLock()
 _original: Callable[..., Any] | None = None
@@ -156,9 +159,7 @@ def _routed_storage_setup(
 ) -> Any:
     original = _original
     if original is None:  # disabled while a reference to us was kept somewhere
-        from torch.distributed.checkpoint import _storage_utils
-
-        original = _storage_utils._storage_setup
+        original = getattr(torch_internals.dcp_storage_setup(), _HOOK)
     if storage or not checkpoint_id or not isinstance(checkpoint_id, str | os.PathLike):
         return original(storage, checkpoint_id, reader=reader)
     resolved = _resolve(checkpoint_id, "reader" if reader else "writer")
@@ -184,22 +185,22 @@ def _check_torch() -> tuple[Any, Any, Any]:
             "to dcp.save / dcp.load instead."
         ) from exc
     problems = []
-    setup = getattr(utils, "_storage_setup", None)
+    setup = getattr(utils, _HOOK, None)
     if not callable(setup):
-        problems.append(f"{_UTILS}._storage_setup is missing")
+        problems.append(f"{_UTILS}.{_HOOK} is missing")
     else:
         try:
             params = list(inspect.signature(setup).parameters)
         except (TypeError, ValueError):
             params = []
         if params != _EXPECTED_PARAMS and setup is not _routed_storage_setup:
-            problems.append(f"_storage_setup takes {params}, expected {_EXPECTED_PARAMS}")
+            problems.append(f"{_HOOK} takes {params}, expected {_EXPECTED_PARAMS}")
     for module in (saver, loader):
-        used = getattr(module, "_storage_setup", None)
+        used = getattr(module, _HOOK, None)
         if used is None:
-            problems.append(f"{module.__name__} no longer uses _storage_setup")
+            problems.append(f"{module.__name__} no longer uses {_HOOK}")
         elif used is not setup and used is not _routed_storage_setup:
-            problems.append(f"{module.__name__}._storage_setup is not {_UTILS}._storage_setup")
+            problems.append(f"{module.__name__}.{_HOOK} is not {_UTILS}.{_HOOK}")
     if problems:
         raise DcpRoutingUnsupportedError(
             f"DCP routing does not support torch {_torch_version()}: its checkpoint internals "
@@ -231,9 +232,9 @@ def enable(*, propagate: bool = True) -> None:
     with _lock:
         utils, saver, loader = _check_torch()
         if _original is None:
-            _original = utils._storage_setup
+            _original = getattr(utils, _HOOK)
             for module in (utils, saver, loader):
-                module._storage_setup = _routed_storage_setup
+                setattr(module, _HOOK, _routed_storage_setup)
             logger.info("DCP routing enabled: dcp.save/load by checkpoint_id go to dcpstore")
         if propagate and not _propagated:
             _saved_env = os.environ.get(ENV_VAR)
@@ -250,8 +251,8 @@ def disable() -> None:
 
             for name in (_UTILS, _SAVER, _LOADER):
                 module = importlib.import_module(name)
-                if getattr(module, "_storage_setup", None) is _routed_storage_setup:
-                    setattr(module, "_storage_setup", _original)  # noqa: B010
+                if getattr(module, _HOOK, None) is _routed_storage_setup:
+                    setattr(module, _HOOK, _original)
             _original = None
             logger.info("DCP routing disabled")
         if _propagated:

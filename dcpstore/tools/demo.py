@@ -66,6 +66,11 @@ def _rank_main(rank: int, world: int, port: int, uri: str, width: int, depth: in
 
     import dcpstore
 
+    # the command's stdout is its report (``--json``: one JSON document); whatever a rank
+    # prints, torch's gloo included ("[Gloo] Rank N is connected ..." on some releases),
+    # goes to stderr, at the file-descriptor level since gloo writes from C++
+    sys.stdout.flush()
+    os.dup2(2, 1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

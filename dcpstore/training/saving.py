@@ -238,7 +238,9 @@ def _state_nbytes(state: Any) -> int:
     import torch
 
     if isinstance(state, torch.Tensor):
-        local = getattr(state, "_local_tensor", state)
+        from dcpstore.torch_internals import local_tensor
+
+        local = local_tensor(state)
         return int(local.numel() * local.element_size())
     if isinstance(state, dict):
         return sum(_state_nbytes(v) for v in state.values())

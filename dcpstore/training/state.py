@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dcpstore.torch_internals import local_tensor
+
 __all__ = ["AppState", "frozen_keys"]
 
 
@@ -113,7 +115,7 @@ class AppState(Stateful):
 
 def _storage_of(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
     """Where a (local shard of a) tensor lies: same place, same tensor."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = local_tensor(tensor)
     if local.numel() == 0:
         return None
     return local.data_ptr(), local.numel(), tuple(local.shape)

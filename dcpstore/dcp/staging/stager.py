@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dcpstore.dcp.staging.arena import _ALIGN, _COPY_FAILED, _Arena, progress_counter
 from dcpstore.dcp.staging.options import StagingOptions
+from dcpstore.torch_internals import dtensor_like, local_tensor
 
 __all__ = ["StagedState", "Stager"]
 
@@ -206,7 +207,7 @@ class Stager:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    return local_tensor(t)
 
 
 def _collect(value: Any, out: list[torch.Tensor]) -> None:
@@ -223,10 +224,7 @@ def _collect(value: Any, out: list[torch.Tensor]) -> None:
 def _rebuild(value: Any, slots: Any) -> Any:
     if isinstance(value, torch.Tensor):
         slot = next(slots)
-        if _is_dtensor(value):
-            from torch.distributed.tensor import DTensor
-            return DTensor(slot, value._spec, requires_grad=False)  # type: ignore[attr-defined]
-        return slot
+        return dtensor_like(slot, value) if _is_dtensor(value) else slot
     if isinstance(value, Mapping):
         return {k: _rebuild(v, slots) for k, v in value.items()}
     if isinstance(value, tuple) and hasattr(value, "_fields"):

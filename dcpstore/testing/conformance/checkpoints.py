@@ -179,10 +179,11 @@ class CheckpointTests(ConformanceBase):
         self, checkpoint_uri: str, backend_options: dict[str, Any]
     ) -> None:
         pytest.importorskip("zstandard")
-        from torch.distributed.checkpoint._extension import ZStandard
+        from dcpstore.torch_internals import zstandard_extension
 
         state = {"w": torch.zeros(10_000), "o": {"k": 1}}
-        writer = self.writer(checkpoint_uri, backend_options, _extensions=[ZStandard()])
+        writer = self.writer(checkpoint_uri, backend_options,
+                             _extensions=[zstandard_extension()])
         dcp.save(state, storage_writer=writer, no_dist=True)
         out = {"w": torch.ones(10_000), "o": {"k": 0}}
         dcp.load(out, storage_reader=self.reader(checkpoint_uri, backend_options), no_dist=True)
