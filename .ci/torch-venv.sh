@@ -17,6 +17,10 @@ fi
 filter() { sed -e "/^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$/d"; }
 echo "==> torch matrix: $venv"
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
+# The machine's pip config may cap torch at the releases on its local disk; this venv
+# asks for one exact release on purpose. Its own pip.conf (read after the machine's)
+# drops that cap and keeps the rest (local wheel folders, indexes).
+printf '[global]\nconstraint = /dev/null\n' > "$venv/pip.conf"
 pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip 2>&1 | filter
 "${pip[@]}" install -q "torch==$version" 2>&1 | filter

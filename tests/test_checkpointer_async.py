@@ -379,3 +379,51 @@ def test_cuda_staging_options_on_cpu_tensors(mode: str, tmp_path: Path) -> None:
     assert ckpt.load(out) == 1
     _assert_same(out, _state())
     ckpt.close()
+
+
+def _rank_device_lost_mid_save(rank: int, world_size: int, root: str, mode: str | None) -> str:
+    """Step 1 saved; then rank 1's device is lost while step 2 is staged (faked at the
+    staging seam: its copy raises, as a CUDA copy from a lost device does)."""
+    from dcpstore.dcp.staging import stager as stager_module
+
+    staging = StagingOptions(use_pinned_memory=True)
+    ckpt = dcpstore.Checkpointer(root, async_mode=mode,  # type: ignore[arg-type]
+                                 staging=staging)
+    state = {f"x{rank}": torch.full((1024,), 1.0), "shared": torch.ones(8)}
+    ckpt.save(1, state)
+    ckpt.wait()
+    real = stager_module.Stager.copy
+    if rank == 1:
+        def lost(self: Any, pending: Any) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered "
+                               "(device lost, faked at the staging seam)")
+        stager_module.Stager.copy = lost  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            state[f"x{rank}"].fill_(2.0)
+        ckpt.save(2, state)
+        ckpt.wait()
+    except Exception as exc:
+        outcome = f"raised: {type(exc).__name__}: {exc}"
+    else:
+        outcome = "no error"
+    finally:
+        stager_module.Stager.copy = real  # type: ignore[method-assign]
+    assert ckpt.steps() == [1], ckpt.steps()
+    out = {f"x{rank}": torch.zeros(1024), "shared": torch.zeros(8)}
+    assert ckpt.load(out) == 1
+    assert torch.equal(out[f"x{rank}"], torch.full((1024,), 1.0))
+    ckpt.close()
+    return outcome
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_a_device_lost_on_one_rank_fails_the_save_on_every_rank(
+        mode: str | None, tmp_path: Path) -> None:
+    """What the GPU suite does with a real lost CUDA context, on one rank of two: the save
+    fails on both ranks (none waits forever for the other), and step 1 stays the newest,
+    loadable."""
+    outcomes = run_ranks(_rank_device_lost_mid_save, 2, str(tmp_path / "root"), mode,
+                         timeout=90)
+    assert all(o.startswith("raised:") for o in outcomes), outcomes
+    assert "device lost" in outcomes[1], outcomes

@@ -115,5 +115,29 @@ class Collectives:
             raise error
         raise decode_error(answer[1], f" ({failure}; see the coordinator's log)")
 
+    def agree(self, fn: Callable[[], T], failure: str, group: Any = None) -> T:
+        """``fn()`` run on every rank; its result where it succeeded on every rank.
+
+        Where it failed on any rank, every rank raises: a failed rank its own error, the
+        others the first failed rank's kind of error (see :meth:`share`), its message
+        naming the failed ranks after ``failure``. So no rank goes on into a collective
+        that a failed rank will never join.
+        """
+        result: Any = None
+        error: BaseException | None = None
+        outcome: bytes | None = None
+        try:
+            result = fn()
+        except BaseException as exc:
+            error, outcome = exc, encode_error(exc)
+        outcomes = self.all_gather(outcome, group)
+        failed = [rank for rank, o in enumerate(outcomes) if o is not None]
+        if not failed:
+            return result
+        if error is not None:
+            raise error
+        raise decode_error(outcomes[failed[0]],
+                           f" ({failure} on rank(s) {failed}; see their logs)")
+
     def _or_default(self, group: Any) -> Any:
         return self.group if group is None else group

@@ -106,8 +106,10 @@ class Saver:
         if self._config.async_mode is None:
             staged = state
             if self.stager is not None:
-                staged = self.stager.stage(state)
-                self.stager.synchronize()
+                # a rank whose copy fails (a lost device) must not leave the others
+                # waiting in the save's collectives: every rank fails it here
+                staged = self._collectives.agree(lambda: self._stage_now(state),
+                                                 "staging the state failed")
             where = self.write(step, staged, target, self._collectives.group)
             blocked = time.perf_counter() - started
             self.last_timings = {"step": step, "blocked_s": blocked, "where": where,
@@ -137,13 +139,21 @@ class Saver:
                 raise
         else:
             # a thread's writer reads the slots as they are; CUDA copies finish on a side
-            # stream (the write synchronizes with them first)
-            self.stager.copy(snapshot)
+            # stream (the write synchronizes with them first). A rank whose copy fails
+            # fails the save on every rank before any write starts.
+            self._collectives.agree(lambda: self.stager.copy(snapshot),  # type: ignore[union-attr]
+                                    "staging the state failed", group)
             write = self._submit("write", step, started, self.write, step, snapshot.staged,
                                  target, group)
         self.last_timings["blocked_s"] = time.perf_counter() - started
         if target.where == "local":
             self._submit("drain", step, started, self._drainer.drain_after, write, step)
+
+    def _stage_now(self, state: dict[str, Any]) -> dict[str, Any]:
+        assert self.stager is not None
+        staged = self.stager.stage(state)
+        self.stager.synchronize()
+        return staged
 
     def _submit(self, kind: Literal["write", "drain"], step: int, started: float,
                 fn: Callable[..., Any], *args: Any) -> Future[Any]:
