@@ -108,17 +108,12 @@ matrix-venvs: $(foreach v,$(TORCH_MATRIX),.venv-torch/$(v)/.installed)
 		requirements/s3.txt requirements/matrix/torch.txt .ci/torch-venv.sh
 	$(Q).ci/torch-venv.sh $*
 
-test-matrix: matrix-venvs
+test-matrix: setup matrix-venvs
 	$(MAKE) --no-print-directory test-matrix-run
 
 test-matrix-run:
-	@failed=""; for v in $(TORCH_MATRIX); do \
-	  echo "==> torch $$v: the core suite (.venv-torch/$$v)"; \
-	  DCPSTORE_TEST_STORES=$(MATRIX_STORES) .venv-torch/$$v/bin/python -m pytest -q \
-	      $(MATRIX_TESTS) || failed="$$failed $$v"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "torch matrix failed on:$$failed"; exit 1; fi; \
-	echo "torch matrix passed on $(TORCH_MATRIX)"
+	@TORCH_MATRIX="$(TORCH_MATRIX)" MATRIX_TESTS="$(MATRIX_TESTS)" \
+	    MATRIX_STORES=$(MATRIX_STORES) DEV_PYTHON=$(BIN)/python .ci/torch-matrix.sh
 
 # The benchmark (docs/performance.md): the full run writes the committed results and the
 # docs' chart: 2 ranks on local disk, SeaweedFS and fake-gcs-server, then moto in a single
