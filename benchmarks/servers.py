@@ -19,6 +19,10 @@ and every client trusts that CA the same way, through the store's environment:
 (aiohttp for gcsfs, dcpstore's GCS backend and the GCS limit; the CRT clients of
 s3torchconnector and the CRT limit). The counting proxy then serves HTTPS with the same
 certificate and reaches its server over HTTPS, so the counted runs go through TLS too.
+
+A store is described by :class:`StoreInfo`, the test suite's store description
+(:class:`dcpstore.testing.stores.RunningStore`) with the counting proxy and MSC profiles
+of the benchmark added.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import ssl
 import tempfile
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ from dcpstore.testing.servers import (
     moto_server,
     seaweedfs_server,
 )
+from dcpstore.testing.stores import KINDS, RunningStore, write_msc_config
 from dcpstore.testing.tls import TLSFiles
 
 from . import pagecache
@@ -53,8 +58,8 @@ logger = logging.getLogger(__name__)
 
 #: Bucket every server store uses.
 BUCKET = "dcpstore-bench"
-#: Store name -> kind of store.
-STORE_KINDS = {"local": "local", "seaweedfs": "s3", "moto": "s3", "gcs": "gcs"}
+#: Store name -> kind of store (the stores the benchmark runs on).
+STORE_KINDS = {name: KINDS[name] for name in ("local", "seaweedfs", "moto", "gcs")}
 #: Bytes written to a server before :meth:`Stores.reserve` replaces it by a fresh one:
 #: ``weed mini`` reclaims deleted objects' space only lazily (after ~80 GiB of writes it
 #: answered InternalError to every client for about a minute); the in-memory servers
@@ -63,43 +68,31 @@ SERVER_BUDGETS = {"seaweedfs": 32 << 30}
 
 
 @dataclass(frozen=True)
-class StoreInfo:
+class StoreInfo(RunningStore):
     """Everything a rank needs to reach a store (picklable; sent with every job).
 
+    A :class:`~dcpstore.testing.stores.RunningStore` whose :attr:`root` is the directory
+    (local) or the bucket alone (servers), whose :attr:`endpoint_url` is the server's
+    (or its counting proxy's in :meth:`counted`), and whose :attr:`server` stays with
+    :class:`Stores` (``None``). Under TLS :attr:`env` also holds the CA
+    (``AWS_CA_BUNDLE`` and ``SSL_CERT_FILE``), and :attr:`msc_config` is the MSC
+    configuration with this store's profiles.
+
     Attributes:
-        name: ``local``, ``seaweedfs``, ``moto`` or ``gcs``.
-        kind: ``local``, ``s3`` or ``gcs``.
-        root: The directory (local) or the bucket (servers).
-        endpoint_url: ``http://127.0.0.1:<port>`` of the server (or of its counting
-            proxy in :meth:`counted`); ``https://`` under TLS.
-        region: Region clients sign for.
-        env: Environment variables every client of this store gets (credentials; under
-            TLS also the CA: ``AWS_CA_BUNDLE`` and ``SSL_CERT_FILE``).
-        msc_config: Path of the MSC configuration with this store's profiles.
         msc_profile: MSC profile reaching the server directly.
         msc_profile_counted: MSC profile reaching it through the counting proxy.
         proxy_url: The counting proxy's endpoint (``None`` when counting is off).
-        ca_bundle: The CA a client must trust to reach the store over HTTPS (``None``:
-            plain HTTP, or the local store).
     """
 
-    name: str
-    kind: str
-    root: str
-    endpoint_url: str | None = None
-    region: str = "us-east-1"
-    env: dict[str, str] = field(default_factory=dict)
-    msc_config: str | None = None
     msc_profile: str | None = None
     msc_profile_counted: str | None = None
     proxy_url: str | None = None
-    ca_bundle: str | None = None
 
     def counted(self) -> StoreInfo:
         """The same store reached through its counting proxy."""
         if self.proxy_url is None:
             raise ValueError(f"store {self.name} has no counting proxy")
-        return replace(self, endpoint_url=self.proxy_url, msc_profile=self.msc_profile_counted)
+        return replace(self.via(self.proxy_url), msc_profile=self.msc_profile_counted)
 
 
 class Stores:
@@ -191,7 +184,7 @@ class Stores:
             if root is None:
                 root = self._own_local_dir = tempfile.mkdtemp(prefix="dcpstore-bench-")
             os.makedirs(root, exist_ok=True)
-            self.info[name] = StoreInfo(name, kind, os.path.abspath(root))
+            self.info[name] = StoreInfo(name, os.path.abspath(root))
         elif kind == "s3":
             server: S3Server
             if name == "seaweedfs":
@@ -205,19 +198,21 @@ class Stores:
             # profile in every rank process, which would keep the old endpoint
             profile = f"bench-{name}" + (f"-g{generation}" if generation else "")
             self.info[name] = StoreInfo(
-                name, kind, BUCKET, server.endpoint_url, server.region,
-                {**server.env(), **tls_env}, msc_profile=profile,
+                name, BUCKET, {"endpoint_url": server.endpoint_url},
+                {**server.env(), **tls_env}, upstream=server.endpoint_url, bucket=BUCKET,
+                region=server.region, ca_bundle=ca_bundle, msc_profile=profile,
                 msc_profile_counted=profile + "-counted" if proxy else None,
-                proxy_url=proxy, ca_bundle=ca_bundle)
+                proxy_url=proxy)
         elif kind == "gcs":
             gcs = stack.enter_context(fake_gcs_server(tls=tls))
             gcs.create_bucket(BUCKET)
             self._servers[name] = gcs
             proxy = self._proxy(name, gcs.endpoint_url, stack)
             self.info[name] = StoreInfo(
-                name, kind, BUCKET, gcs.endpoint_url,
-                env={"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", **tls_env},
-                proxy_url=proxy, ca_bundle=ca_bundle)
+                name, BUCKET, {"endpoint_url": gcs.endpoint_url, "token": "anon"},
+                {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", **tls_env},
+                upstream=gcs.endpoint_url, bucket=BUCKET, ca_bundle=ca_bundle,
+                proxy_url=proxy)
         else:  # pragma: no cover - names are validated by the CLI
             raise ValueError(f"unknown store {name!r}")
         self.written[name] = 0
@@ -244,7 +239,7 @@ class Stores:
         replaced = sum(self.restarts.values())
         config = self.workdir / ("msc_config.yaml" if not replaced
                                  else f"msc_config-r{replaced}.yaml")
-        _write_yaml(config, {"profiles": profiles})
+        write_msc_config(config, {"profiles": profiles})
         for name, info in self.info.items():
             if info.kind == "s3":
                 self.info[name] = replace(info, msc_config=str(config))
@@ -332,17 +327,6 @@ class Stores:
                          "budget_bytes": self.budgets.get(name),
                          "fresh_restarts": self.restarts.get(name, 0)}
         return out
-
-
-def _write_yaml(path: Path, data: dict[str, Any]) -> None:
-    try:
-        import yaml
-
-        path.write_text(yaml.safe_dump(data))
-    except ImportError:  # JSON is YAML
-        import json
-
-        path.write_text(json.dumps(data, indent=1))
 
 
 def _s3_delete_prefix(client: Any, bucket: str, prefix: str) -> None:

@@ -26,7 +26,7 @@ from stores import (
     Store,
     build_store,
     full_requested,
-    write_msc_config,
+    write_store_msc_config,
 )
 
 from dcpstore.testing.azurite import AzuriteServer, azurite_server
@@ -116,7 +116,7 @@ def azurite_blob() -> Iterator[AzuriteServer]:
 @pytest.fixture(scope="session")
 def msc_config_file(moto_s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
     """An MSC configuration whose profile ``dcpstore-test`` stores in moto's bucket."""
-    return write_msc_config(tmp_path_factory.mktemp("msc") / "msc_config.yaml", moto_s3)
+    return write_store_msc_config(tmp_path_factory.mktemp("msc") / "msc_config.yaml", moto_s3)
 
 
 # -- the store matrix ---------------------------------------------------------------------

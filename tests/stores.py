@@ -6,12 +6,13 @@ fake-gcs-server, MSC (an S3 profile over the moto server) and Azure Blob Storage
 test, under a fresh prefix of the session's servers). A module that cannot run some of
 them narrows the list with ``pytest.mark.parametrize("store", [...], indirect=True)``
 and says why in one line.
+
+:class:`Store` is :class:`dcpstore.testing.stores.RunningStore`, the one description
+of a running store that the benchmarks' stores share.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import threading
 import uuid
@@ -22,13 +23,14 @@ from typing import Any
 import pytest
 
 import dcpstore
-from dcpstore.storage.backend import Backend
 from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import MemoryBackend
-from dcpstore.testing.azurite import ACCOUNT as AZURITE_ACCOUNT
-from dcpstore.testing.servers import gcs_object_names, isolate_env, msc_s3_profile
+from dcpstore.testing.servers import isolate_env
+from dcpstore.testing.stores import KINDS, msc_store_profile, tree_files, write_msc_config
+from dcpstore.testing.stores import RunningStore as Store
 
-__all__ = ["BUCKET", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files"]
+__all__ = ["BUCKET", "KINDS", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files",
+           "write_store_msc_config"]
 
 #: Bucket every server store uses (created once per session).
 BUCKET = "dcpstore-test"
@@ -58,9 +60,6 @@ def _chosen_stores() -> tuple[str, ...]:
 
 #: The stores the ``store`` fixture runs a test on.
 STORE_NAMES = _chosen_stores()
-#: Kind of client each store is reached through.
-KINDS = {"local": "local", "moto": "s3", "seaweedfs": "s3", "gcs": "gcs", "msc": "msc",
-         "azure": "azure"}
 
 
 def memory_scheme(bucket: str) -> Iterator[None]:
@@ -70,140 +69,6 @@ def memory_scheme(bucket: str) -> Iterator[None]:
     MemoryBackend.create_bucket(bucket)
     yield
     MemoryBackend.delete_bucket(bucket)
-
-
-def tree_files(root: str | Path) -> list[str]:
-    """Every file under a local directory, relative, sorted."""
-    root = Path(root)
-    if not root.exists():
-        return []
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
-def msc_profile(server: Any, endpoint: str | None = None,
-                retry_attempts: int | None = None) -> dict[str, Any]:
-    """The ``msc`` store's profile (through ``endpoint`` instead of the server's own;
-    with ``retry_attempts``, MSC's own retry section)."""
-    profile = msc_s3_profile(server, BUCKET, endpoint=endpoint, retries={"max_attempts": 2},
-                             connect_timeout=5, read_timeout=30)
-    if retry_attempts is not None:
-        profile["retry"] = {"attempts": retry_attempts, "delay": 0.05}
-    return profile
-
-
-@dataclasses.dataclass
-class Store:
-    """One store of the matrix, under a prefix of its own for one test.
-
-    Attributes:
-        name: ``local``, ``moto``, ``seaweedfs``, ``gcs``, ``msc`` or ``azure``.
-        root: Where this test's checkpoints go (a directory or a URI prefix).
-        options: Backend options for every dcpstore call.
-        env: Environment its clients need (set for the test; pass it to spawned ranks).
-        server: The server (``S3Server`` / ``FakeGCSServer`` / ``AzuriteServer``;
-            ``None`` for local).
-        upstream: The server's HTTP endpoint (``None`` for local; Azurite's is the
-            server, ``http://127.0.0.1:<port>``, without the account's path).
-    """
-
-    name: str
-    root: str
-    options: dict[str, Any]
-    env: dict[str, str]
-    server: Any = None
-    upstream: str | None = None
-
-    @property
-    def kind(self) -> str:
-        """``local``, ``s3``, ``gcs``, ``msc`` or ``azure``."""
-        return KINDS[self.name]
-
-    @property
-    def scheme(self) -> str:
-        return {"local": "file", "s3": "s3", "gcs": "gs", "msc": "msc",
-                "azure": "az"}[self.kind]
-
-    def uri(self, tag: str) -> str:
-        """A fresh location under :attr:`root`."""
-        return f"{self.root.rstrip('/')}/{tag}-{uuid.uuid4().hex[:8]}"
-
-    def backend(self, uri: str | None = None) -> Backend:
-        return dcpstore.open_backend(uri or self.root, **self.options)
-
-    def cli_options(self) -> list[str]:
-        """``-o KEY=VALUE`` arguments of the ``dcpstore`` CLI for :attr:`options`."""
-        return [arg for k, v in self.options.items() for arg in ("-o", f"{k}={v}")]
-
-    def via(self, endpoint: str, *, msc_retry_attempts: int | None = None) -> Store:
-        """The same store reached through ``endpoint`` (a proxy in front of the server).
-
-        ``msc_retry_attempts`` sets the attempts of MSC's own retry layer (MSC retries
-        in the profile; dcpstore's ``max_attempts`` of the MSC backend come on top)."""
-        if self.upstream is None:
-            raise ValueError(f"the {self.name} store has no HTTP endpoint to put a proxy before")
-        if self.kind == "azure":  # Azurite serves the account path-style
-            return dataclasses.replace(self, options={
-                **self.options, "endpoint_url": f"{endpoint.rstrip('/')}/{AZURITE_ACCOUNT}"})
-        if self.kind != "msc":
-            return dataclasses.replace(self, options={**self.options, "endpoint_url": endpoint})
-        # the same profile name (so the same URIs), from a config option over MSC_CONFIG
-        config = {"profiles": {MSC_PROFILE: msc_profile(self.server, endpoint,
-                                                        msc_retry_attempts)}}
-        return dataclasses.replace(self, options={**self.options, "config": config})
-
-    # -- what the store itself holds (raw, not through dcpstore) --------------------------
-
-    def _bucket_prefix(self, uri: str) -> tuple[str, str]:
-        rest = uri.split("://", 1)[1]
-        bucket, _, prefix = rest.partition("/")
-        if self.kind == "msc":
-            bucket = BUCKET  # the profile's base_path
-        return bucket, prefix.rstrip("/") + "/"
-
-    def files(self, uri: str) -> set[str]:
-        """Every object under ``uri`` as the store itself lists it (relative)."""
-        if self.kind == "local":
-            return set(tree_files(uri))
-        bucket, prefix = self._bucket_prefix(uri)
-        if self.kind == "gcs":
-            names = gcs_object_names(self.upstream or "", bucket, prefix)
-            return {name[len(prefix):] for name in names}
-        if self.kind == "azure":
-            container = self._container(bucket)
-            try:  # committed blobs only: staged, uncommitted blocks are not objects
-                return {b.name[len(prefix):] for b in container.list_blobs(
-                    name_starts_with=prefix)}
-            finally:
-                container.close()
-        client = self.server.client()
-        try:
-            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                      Prefix=prefix)
-            return {o["Key"][len(prefix):] for p in pages for o in p.get("Contents", ())}
-        finally:
-            client.close()
-
-    def _container(self, container: str) -> Any:
-        """An SDK ``ContainerClient`` of Azurite (its connection string; no retries)."""
-        from azure.storage.blob import ContainerClient
-
-        return ContainerClient.from_connection_string(
-            self.server.connection_string(), container, retry_total=0)
-
-    def uploads(self, uri: str) -> list[str]:
-        """Unfinished multipart uploads under ``uri`` (S3 ``ListMultipartUploads``; local
-        files and GCS resumable uploads leave none that can be listed, and Azure's
-        uncommitted blocks are no object: they go at the blob's next commit or after 7
-        days)."""
-        if self.kind in ("local", "gcs", "azure"):
-            return []
-        bucket, prefix = self._bucket_prefix(uri)
-        client = self.server.client()
-        try:
-            response = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
-            return [u["Key"] for u in response.get("Uploads", ())]
-        finally:
-            client.close()
 
 
 def make_store(name: str, area: str, local_dir: Path, servers: dict[str, Any],
@@ -216,28 +81,31 @@ def make_store(name: str, area: str, local_dir: Path, servers: dict[str, Any],
     server = servers[name]
     if name in ("moto", "seaweedfs"):
         return Store(name, f"s3://{BUCKET}/{run}", {"endpoint_url": server.endpoint_url},
-                     server.env(), server, server.endpoint_url)
+                     server.env(), server, server.endpoint_url, bucket=BUCKET,
+                     region=server.region)
     if name == "gcs":
         return Store("gcs", f"gs://{BUCKET}/{run}",
                      {"endpoint_url": server.endpoint_url, "token": "anon"},
                      {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, server,
-                     server.endpoint_url)
+                     server.endpoint_url, bucket=BUCKET)
     if name == "msc":
         assert msc_config is not None
         # the profile carries the credentials; MSC_CONFIG reaches spawned ranks and the CLI
         return Store("msc", f"msc://{MSC_PROFILE}/{run}", {},
-                     {"MSC_CONFIG": msc_config, **server.env()}, server, server.endpoint_url)
+                     {"MSC_CONFIG": msc_config, **server.env()}, server, server.endpoint_url,
+                     bucket=BUCKET, region=server.region, msc_config=msc_config)
     if name == "azure":
         # the connection string (Azurite on 127.0.0.1 only) reaches spawned ranks and the CLI
         return Store("azure", f"az://{BUCKET}/{run}", {}, server.env(), server,
-                     server.upstream)
+                     server.upstream, bucket=BUCKET)
     raise ValueError(f"unknown store {name!r}; one of {', '.join(ALL_STORE_NAMES)}")
 
 
-def write_msc_config(path: Path, server: Any) -> str:
-    """Write the MSC configuration of the ``msc`` store; return its path."""
-    path.write_text(json.dumps({"profiles": {MSC_PROFILE: msc_profile(server)}}, indent=1))
-    return os.fspath(path)
+def write_store_msc_config(path: Path, server: Any) -> str:
+    """Write the MSC configuration of the ``msc`` store (profile :data:`MSC_PROFILE`
+    over ``server``'s bucket :data:`BUCKET`); return its path."""
+    return write_msc_config(path, {"profiles": {MSC_PROFILE: msc_store_profile(server,
+                                                                               BUCKET)}})
 
 
 def full_requested(config: pytest.Config) -> bool:

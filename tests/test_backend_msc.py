@@ -10,6 +10,7 @@ counts and bytes on the wire through a counting proxy, on moto and SeaweedFS).
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import math
 import threading
@@ -23,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 
 import dcpstore
 from dcpstore.errors import BucketNotFoundError
@@ -46,54 +46,63 @@ from dcpstore_msc import (  # noqa: E402
 )
 
 from dcpstore.testing.servers import S3Server, moto_server  # noqa: E402
+from dcpstore.testing.stores import (  # noqa: E402
+    RunningStore,
+    msc_store_profile,
+    write_msc_config,
+)
 
 BUCKET = "dcpstore-msc"
 S3_PROFILE = "dcpstore-s3"
 LOCAL_PROFILE = "dcpstore-local"
 
 
-def s3_profile(server: S3Server, bucket: str = BUCKET, endpoint: str | None = None,
-               **options: Any) -> dict[str, Any]:
-    return {
-        "storage_provider": {"type": "s3", "options": {
-            "base_path": bucket, "endpoint_url": endpoint or server.endpoint_url,
-            "region_name": server.region, "retries": {"max_attempts": 2},
-            "connect_timeout": 5, "read_timeout": 30, **options}},
-        "credentials_provider": {"type": "S3Credentials", "options": {
-            "access_key": server.access_key, "secret_key": server.secret_key}},
-    }
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MSCEnv(RunningStore):
+    """This module's MSC store: profile :data:`S3_PROFILE` over moto's bucket
+    :data:`BUCKET`, whose configuration (:attr:`msc_config`, in :attr:`env` as
+    ``MSC_CONFIG``) also holds a POSIX profile, a missing bucket, an unreachable
+    endpoint and path mappings.
 
+    Attributes:
+        local_dir: Directory of the POSIX profile :data:`LOCAL_PROFILE`.
+        config: The MSC configuration written to :attr:`msc_config`.
+    """
 
-class MSCEnv:
-    """The servers, directories and MSC config of this module."""
+    local_dir: Path
+    config: dict[str, Any]
 
-    def __init__(self, s3: S3Server, root: Path) -> None:
-        self.s3 = s3
-        self.local_dir = root / "local-profile"
-        self.local_dir.mkdir()
-        self.config: dict[str, Any] = {
+    @classmethod
+    def write(cls, s3: S3Server, root: Path) -> MSCEnv:
+        """Write the configuration under ``root`` for the profiles over ``s3``."""
+        local_dir = root / "local-profile"
+        local_dir.mkdir()
+        config: dict[str, Any] = {
             "profiles": {
-                S3_PROFILE: s3_profile(s3),
+                S3_PROFILE: msc_store_profile(s3, BUCKET),
                 LOCAL_PROFILE: {"storage_provider": {
-                    "type": "file", "options": {"base_path": str(self.local_dir)}}},
-                "no-bucket": s3_profile(s3, bucket="no-such-bucket-msc"),
-                "unreachable": s3_profile(s3, endpoint="http://127.0.0.1:9"),
+                    "type": "file", "options": {"base_path": str(local_dir)}}},
+                "no-bucket": msc_store_profile(s3, "no-such-bucket-msc"),
+                "unreachable": msc_store_profile(s3, BUCKET, endpoint="http://127.0.0.1:9"),
             },
             "path_mapping": {
                 f"s3://{BUCKET}-mapped/": f"msc://{S3_PROFILE}/",
                 "gs://pretend-gcs-bucket/": f"msc://{LOCAL_PROFILE}/",
             },
         }
-        self.config_file = root / "msc_config.yaml"
-        self.config_file.write_text(yaml.safe_dump(self.config))
+        path = write_msc_config(root / "msc_config.yaml", config)
+        return cls("msc", f"msc://{S3_PROFILE}", {}, {"MSC_CONFIG": path}, s3,
+                   s3.endpoint_url, bucket=BUCKET, region=s3.region, msc_config=path,
+                   local_dir=local_dir, config=config)
 
 
 @pytest.fixture(scope="module")
 def msc_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MSCEnv]:
     with moto_server() as s3, pytest.MonkeyPatch.context() as mp:
         s3.create_bucket(BUCKET)
-        env = MSCEnv(s3, tmp_path_factory.mktemp("msc"))
-        mp.setenv("MSC_CONFIG", str(env.config_file))
+        env = MSCEnv.write(s3, tmp_path_factory.mktemp("msc"))
+        for name, value in env.env.items():
+            mp.setenv(name, value)
         mp.delenv("DCPSTORE_BACKEND", raising=False)
         yield env
 
@@ -120,13 +129,11 @@ class TestMSCOnS3(BackendConformance):
     @pytest.fixture
     def denied_backend_options(self, msc_env: MSCEnv, forbidden_endpoint: str
                                ) -> dict[str, Any]:
-        return {"part_size": 64 * 1024, "config": {"profiles": {
-            S3_PROFILE: s3_profile(msc_env.s3, endpoint=forbidden_endpoint)}}}
+        return {"part_size": 64 * 1024, **msc_env.via(forbidden_endpoint).options}
 
     @pytest.fixture
     def http_endpoint(self, msc_env: MSCEnv) -> HTTPEndpoint:
-        return HTTPEndpoint(msc_env.s3.endpoint_url, lambda url: {"config": {"profiles": {
-            S3_PROFILE: s3_profile(msc_env.s3, endpoint=url)}}})
+        return HTTPEndpoint(str(msc_env.upstream), lambda url: msc_env.via(url).options)
 
 
 class TestMSCOnLocalDirectory(BackendConformance):
@@ -161,7 +168,7 @@ def test_feature_flag_resolves_like_msc(msc_env: MSCEnv, monkeypatch: pytest.Mon
         dcpstore.load(out, url, backend="msc")
         assert_state_equal(out, state)
     # the bytes really are where MSC maps them
-    s3 = msc_env.s3.client()
+    s3 = msc_env.server.client()
     listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=s3_url.split("/", 3)[3] + "/")
     assert any(o["Key"].endswith("/.metadata") for o in listed.get("Contents", []))
     assert (msc_env.local_dir / gs_url.split("/", 3)[3] / ".metadata").is_file()
@@ -175,10 +182,10 @@ def test_feature_flag_resolves_like_msc(msc_env: MSCEnv, monkeypatch: pytest.Mon
 def test_config_option_path_and_dict(msc_env: MSCEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MSC_CONFIG")
     url = f"s3://{BUCKET}-mapped/{fresh('opt')}"
-    be = dcpstore.open_backend(url, backend="msc", config=str(msc_env.config_file))
+    be = dcpstore.open_backend(url, backend="msc", config=str(msc_env.msc_config))
     assert (be.store.profile, be.store.root) == (S3_PROFILE, url.split("/", 3)[3])
     be.put("x", b"1")
-    monkeypatch.setenv("DCPSTORE_MSC_CONFIG", str(msc_env.config_file))
+    monkeypatch.setenv("DCPSTORE_MSC_CONFIG", str(msc_env.msc_config))
     assert dcpstore.open_backend(f"msc://{S3_PROFILE}/{be.store.root}").get("x") == b"1"
 
 
@@ -286,7 +293,8 @@ def forbidden_endpoint() -> Iterator[str]:
 
 
 def test_permission_denied_keeps_request_id(msc_env: MSCEnv, forbidden_endpoint: str) -> None:
-    config = {"profiles": {"forbidden": s3_profile(msc_env.s3, endpoint=forbidden_endpoint)}}
+    config = {"profiles": {"forbidden": msc_store_profile(msc_env.server, BUCKET,
+                                                          endpoint=forbidden_endpoint)}}
     with pytest.raises(PermissionError, match=r"permission denied.*req-5678"):
         dcpstore.save({"w": torch.ones(4)}, "msc://forbidden/run", config=config)
     be = dcpstore.open_backend("msc://forbidden/run", config=config)
@@ -347,14 +355,14 @@ def _payload(n: int, seed: int) -> bytes:
 def s3_store(request: pytest.FixtureRequest, msc_env: MSCEnv) -> tuple[S3Server, str]:
     """An S3 server and a bucket on it: moto (this module's) or SeaweedFS (the session's)."""
     if request.param == "moto":
-        return msc_env.s3, BUCKET
+        return msc_env.server, BUCKET
     return request.getfixturevalue("seaweedfs_s3"), "dcpstore-test"
 
 
 def _counting_backend(s3: S3Server, bucket: str, proxy: FaultProxy, **options: Any
                       ) -> MSCBackend:
-    config = {"profiles": {"counted": s3_profile(s3, bucket=bucket,
-                                                 endpoint=proxy.endpoint_url)}}
+    config = {"profiles": {"counted": msc_store_profile(s3, bucket,
+                                                        endpoint=proxy.endpoint_url)}}
     be = dcpstore.open_backend(f"msc://counted/{fresh('chunks')}", config=config, **options)
     assert isinstance(be, MSCBackend)
     return be
@@ -399,7 +407,7 @@ def test_chunked_read_allocates_about_one_chunk_not_the_range(seaweedfs_s3: S3Se
     """The transient memory of one range is bounded by read_chunk, not by its length
     (tracemalloc counts what this process allocates: SeaweedFS runs in its own, unlike
     moto, which reads the whole object for every ranged GET)."""
-    config = {"profiles": {"weed": s3_profile(seaweedfs_s3, bucket="dcpstore-test")}}
+    config = {"profiles": {"weed": msc_store_profile(seaweedfs_s3, "dcpstore-test")}}
     be = dcpstore.open_backend(f"msc://weed/{fresh('chunk-mem')}", config=config,
                                read_chunk=CHUNK)
     length = 64 * CHUNK  # 4 MiB, 64 requests

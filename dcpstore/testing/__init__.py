@@ -10,7 +10,8 @@
 - ``FaultProxy``: a fault-injecting HTTP proxy in front of a real server
   (:mod:`dcpstore.testing.faultproxy`);
 - the local server stand-ins (:mod:`dcpstore.testing.servers`), over HTTPS with a
-  throwaway CA (:mod:`dcpstore.testing.tls`);
+  throwaway CA (:mod:`dcpstore.testing.tls`), and ``RunningStore``, one of them up, as
+  the tests and the benchmarks describe it (:mod:`dcpstore.testing.stores`);
 - state helpers (:mod:`dcpstore.testing.state`).
 
 Attributes are imported on first use, so ``import dcpstore.testing.servers`` pulls in
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from dcpstore.testing.faults import Fault, FaultBackend
     from dcpstore.testing.memory import MemoryBackend
     from dcpstore.testing.state import assert_state_equal, empty_like_state, many_dtypes_state
+    from dcpstore.testing.stores import RunningStore
 
 __all__ = [
     "BackendConformance",
@@ -46,6 +48,7 @@ __all__ = [
     "MemoryBackend",
     "ProxyStats",
     "RequestInfo",
+    "RunningStore",
     "assert_state_equal",
     "classify",
     "empty_like_state",
@@ -68,6 +71,7 @@ _WHERE = {
     "assert_state_equal": "state",
     "empty_like_state": "state",
     "many_dtypes_state": "state",
+    "RunningStore": "stores",
 }
 
 
