@@ -33,12 +33,7 @@ from typing import Any
 
 import torch
 
-from dcpstore.torch_internals import (
-    element_size,
-    restricted_unpickler,
-    tensor_archive_writer,
-    write_tensor_archive,
-)
+from dcpstore import torch_internals
 
 __all__ = ["ViewFile", "decode_tensor", "encode_tensor"]
 
@@ -62,9 +57,9 @@ def _probe_fast_save() -> bool:
 
 
 def _save_without_crc(tensor: torch.Tensor, stream: Any) -> None:
-    writer = tensor_archive_writer(stream)
+    writer = torch_internals.tensor_archive_writer(stream)
     try:
-        write_tensor_archive(tensor, writer)
+        torch_internals.write_tensor_archive(tensor, writer)
     except BaseException:
         # Finalize here, where a failure is only an exception: left unfinalized, the
         # writer's destructor finalizes it, and a failing stream (a store error) then
@@ -226,7 +221,7 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         key = key.decode() if isinstance(key, bytes) else str(key)
         if key not in storages:
-            nbytes = int(numel) * element_size(dtype)
+            nbytes = int(numel) * torch_internals.element_size(dtype)
             if nbytes:
                 untyped = torch.frombuffer(record(f"data/{key}", nbytes), dtype=torch.uint8)
                 untyped_storage = untyped.untyped_storage()
@@ -237,7 +232,7 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
             )
         return storages[key]
 
-    unpickler = restricted_unpickler(io.BytesIO(bytes(record("data.pkl"))))
+    unpickler = torch_internals.restricted_unpickler(io.BytesIO(bytes(record("data.pkl"))))
     unpickler.persistent_load = persistent_load
     result = unpickler.load()
     if not isinstance(result, torch.Tensor):

@@ -202,9 +202,7 @@ class FaultBackend(Backend):
         """Whether a ``"crash"`` fault fired."""
         return self._state.crashed
 
-    @property
-    def uri(self) -> str:
-        return self.inner.uri
+    uri = property(lambda self: self.inner.uri, doc="The wrapped backend's URI.")
 
     def child(self, key: str) -> Backend:
         return FaultBackend(self.inner.child(key), _state=self._state)

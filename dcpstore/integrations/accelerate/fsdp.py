@@ -5,6 +5,8 @@ checkpoint URI through dcpstore."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -66,84 +68,81 @@ def _sub(uri: str, name: str, index: int) -> str:
 def _make_replacements(redirect: _Redirect, fsdp_utils: ModuleType
                        ) -> dict[str, Callable[..., Any]]:
     from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    originals = {name: getattr(fsdp_utils, name) for name in _FSDP_FUNCTIONS}
+    replacements: dict[str, Callable[..., Any]] = {}
 
-    def target(fsdp_plugin: Any, use_dcp: bool, directory: str) -> str | None:
-        """Where a redirected sharded DCP part goes; ``None``: the stock function's job."""
-        uri = redirect.uri_for(directory)
-        return uri if uri is not None and _sharded_dcp(fsdp_plugin, use_dcp) else None
+    def replaces(name: str, directory: str) -> Callable[[Callable[..., Any]], None]:
+        """Make ``fn(uri, args)`` stand in for fsdp_utils' ``name``, called with its
+        arguments by name, where its ``directory`` argument is redirected to ``uri`` and
+        the part is sharded DCP; anything else goes to the stock function."""
+        stock = getattr(fsdp_utils, name)
+        signature = inspect.signature(stock)
 
-    def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str,
-                        model_index: int = 0, adapter_only: bool = False,
-                        use_dcp: bool = True) -> None:
-        if (uri := target(fsdp_plugin, use_dcp, output_dir)) is None:
-            return originals["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir,
-                                                model_index, adapter_only, use_dcp)
-        os.makedirs(output_dir, exist_ok=True)  # the local stand-in, as the stock code does
-        options = fsdp_utils._prepare_sd_options(fsdp_plugin)
-        state = fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only,
+        def register(fn: Callable[..., Any]) -> None:
+            @functools.wraps(stock)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                given = bound.arguments
+                uri = redirect.uri_for(given[directory])
+                if uri is None or not _sharded_dcp(given["fsdp_plugin"], given["use_dcp"]):
+                    return stock(*args, **kwargs)
+                return fn(uri, given)
+
+            replacements[name] = call
+        return register
+
+    def save(part: str, state: dict[str, Any]) -> None:
+        dcp.save(state, storage_writer=dcpstore.get_writer(part, overwrite=True))
+
+    def load(part: str, state: dict[str, Any]) -> None:
+        dcp.load(state, storage_reader=dcpstore.get_reader(part))
+
+    @replaces("save_fsdp_model", "output_dir")
+    def _(uri: str, a: dict[str, Any]) -> None:
+        os.makedirs(a["output_dir"], exist_ok=True)  # the local stand-in, as the stock does
+        options = fsdp_utils._prepare_sd_options(a["fsdp_plugin"])
+        model = fsdp_utils._get_model_state_dict(a["model"], adapter_only=a["adapter_only"],
                                                  sd_options=options)
-        dcp.save({"model": state}, storage_writer=dcpstore.get_writer(
-            _sub(uri, FSDP_MODEL_NAME, model_index), overwrite=True))
-        return None
+        save(_sub(uri, FSDP_MODEL_NAME, a["model_index"]), {"model": model})
 
-    def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str,
-                        model_index: int = 0, adapter_only: bool = False,
-                        use_dcp: bool = True) -> Any:
-        if (uri := target(fsdp_plugin, use_dcp, input_dir)) is None:
-            return originals["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir,
-                                                model_index, adapter_only, use_dcp)
-        accelerator.wait_for_everyone()
-        options = fsdp_utils._prepare_sd_options(fsdp_plugin)
-        state = {"model": fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only,
-                                                           sd_options=options)}
-        dcp.load(state, storage_reader=dcpstore.get_reader(_sub(uri, FSDP_MODEL_NAME,
-                                                                model_index)))
-        result = fsdp_utils._set_model_state_dict(model, state["model"],
-                                                  adapter_only=adapter_only, sd_options=options)
-        accelerator.wait_for_everyone()
+    @replaces("load_fsdp_model", "input_dir")
+    def _(uri: str, a: dict[str, Any]) -> Any:
+        a["accelerator"].wait_for_everyone()
+        options = fsdp_utils._prepare_sd_options(a["fsdp_plugin"])
+        state = {"model": fsdp_utils._get_model_state_dict(
+            a["model"], adapter_only=a["adapter_only"], sd_options=options)}
+        load(_sub(uri, FSDP_MODEL_NAME, a["model_index"]), state)
+        result = fsdp_utils._set_model_state_dict(a["model"], state["model"],
+                                                  adapter_only=a["adapter_only"],
+                                                  sd_options=options)
+        a["accelerator"].wait_for_everyone()
         return result
 
-    def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any,
-                            output_dir: str, optimizer_index: int = 0,
-                            use_dcp: bool = True) -> None:
-        if (uri := target(fsdp_plugin, use_dcp, output_dir)) is None:
-            return originals["save_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model,
-                                                    output_dir, optimizer_index, use_dcp)
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    @replaces("save_fsdp_optimizer", "output_dir")
+    def _(uri: str, a: dict[str, Any]) -> None:
+        os.makedirs(a["output_dir"], exist_ok=True)
+        options = fsdp_utils._prepare_sd_options(a["fsdp_plugin"])
+        optimizer = get_optimizer_state_dict(a["model"], a["optimizer"], options=options)
+        save(_sub(uri, OPTIMIZER_NAME, a["optimizer_index"]), {"optimizer": optimizer})
 
-        os.makedirs(output_dir, exist_ok=True)
-        options = fsdp_utils._prepare_sd_options(fsdp_plugin)
-        state = get_optimizer_state_dict(model, optimizer, options=options)
-        dcp.save({"optimizer": state}, storage_writer=dcpstore.get_writer(
-            _sub(uri, OPTIMIZER_NAME, optimizer_index), overwrite=True))
-        return None
+    @replaces("load_fsdp_optimizer", "input_dir")
+    def _(uri: str, a: dict[str, Any]) -> None:
+        a["accelerator"].wait_for_everyone()
+        options = fsdp_utils._prepare_sd_options(a["fsdp_plugin"])
+        state = {"optimizer": get_optimizer_state_dict(a["model"], a["optimizer"],
+                                                       options=options)}
+        load(_sub(uri, OPTIMIZER_NAME, a["optimizer_index"]), state)
+        set_optimizer_state_dict(a["model"], a["optimizer"], state["optimizer"],
+                                 options=options)
+        a["accelerator"].wait_for_everyone()
 
-    def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any,
-                            input_dir: str, optimizer_index: int = 0,
-                            adapter_only: bool = False, use_dcp: bool = True) -> None:
-        if (uri := target(fsdp_plugin, use_dcp, input_dir)) is None:
-            return originals["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model,
-                                                    input_dir, optimizer_index, adapter_only,
-                                                    use_dcp)
-        from torch.distributed.checkpoint.state_dict import (
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        accelerator.wait_for_everyone()
-        options = fsdp_utils._prepare_sd_options(fsdp_plugin)
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
-        dcp.load(state, storage_reader=dcpstore.get_reader(_sub(uri, OPTIMIZER_NAME,
-                                                                optimizer_index)))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
-        accelerator.wait_for_everyone()
-        return None
-
-    return {"save_fsdp_model": save_fsdp_model, "load_fsdp_model": load_fsdp_model,
-            "save_fsdp_optimizer": save_fsdp_optimizer,
-            "load_fsdp_optimizer": load_fsdp_optimizer}
+    assert set(replacements) == set(_FSDP_FUNCTIONS), replacements
+    return replacements
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ framework retries a throttled request and then succeeds, without HTTP.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -451,6 +452,12 @@ class ContractTests(ConformanceBase):
                 return fault
         pytest.skip("no retryable kind (throttled, unavailable, timeout) in store_faults")
 
+    @pytest.fixture
+    def faulty(self, checkpoint_uri: str, backend_options: dict[str, Any],
+               store_faults: dict[str, BaseException] | None) -> Callable[..., Any]:
+        """``faulty(attempts=N)``: see :meth:`_faulty`."""
+        return functools.partial(self._faulty, checkpoint_uri, backend_options, store_faults)
+
     @contextlib.contextmanager
     def _faulty(self, checkpoint_uri: str, backend_options: dict[str, Any],
                 store_faults: dict[str, BaseException] | None,
@@ -469,12 +476,8 @@ class ContractTests(ConformanceBase):
         finally:
             backend.close()
 
-    def test_fault_is_retried_then_succeeds(
-        self, checkpoint_uri: str, backend_options: dict[str, Any],
-        store_faults: dict[str, BaseException] | None,
-    ) -> None:
-        with self._faulty(checkpoint_uri, backend_options, store_faults,
-                          attempts=4) as (fault, backend):
+    def test_fault_is_retried_then_succeeds(self, faulty: Callable[..., Any]) -> None:
+        with faulty(attempts=4) as (fault, backend):
             calls = _inject(backend.store, "read", fault, times=2)
             assert backend.get("faulty.bin") == b"payload"
             assert len(calls) == 3, f"read was called {len(calls)} times, expected 3 " \
@@ -483,12 +486,8 @@ class ContractTests(ConformanceBase):
             backend.put("faulty2.bin", b"again")
             assert len(calls) == 2 and backend.get("faulty2.bin") == b"again"
 
-    def test_fault_exhausted_is_its_kind(
-        self, checkpoint_uri: str, backend_options: dict[str, Any],
-        store_faults: dict[str, BaseException] | None,
-    ) -> None:
-        with self._faulty(checkpoint_uri, backend_options, store_faults,
-                          attempts=2) as (fault, backend):
+    def test_fault_exhausted_is_its_kind(self, faulty: Callable[..., Any]) -> None:
+        with faulty(attempts=2) as (fault, backend):
             expected = type(backend.store.map_error(fault, "faulty.bin"))
             calls = _inject(backend.store, "read", fault, times=None)
             with pytest.raises(errors.StoreError) as info:
