@@ -25,6 +25,11 @@ checks each one on every torch release of the matrix (``make test-matrix``), fro
   routing's hook point (:mod:`dcpstore.integrations.dcp_routing`).
 - :func:`zstandard_extension` (``checkpoint._extension.ZStandard``): the conformance
   suite's stream-extension check.
+
+It also knows where releases disagree on the checkpoint format itself:
+:func:`portable_metadata_bytes` pickles ``.metadata`` in the form every supported
+release reads (torch 2.15 added a sixth field, ``strides``, to ``TensorProperties``'
+pickled state, which torch 2.14 and older cannot unpack).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ __all__ = [
     "element_size",
     "local_tensor",
     "narrow_tensor_by_index",
+    "portable_metadata_bytes",
     "restricted_unpickler",
     "storage_alignment",
     "tensor_archive_writer",
@@ -154,3 +160,36 @@ def zstandard_extension() -> Any:
     from torch.distributed.checkpoint._extension import ZStandard
 
     return ZStandard()
+
+
+#: Fields of ``TensorProperties``' pickled state that every supported release reads:
+#: dtype, layout, requires_grad, memory format, pin_memory. torch 2.15 appends
+#: ``strides`` (reading 5 or 6); older releases unpack exactly these 5.
+_PORTABLE_TENSOR_PROPERTIES = 5
+
+
+def _portable_tensor_properties(props: Any) -> tuple[Any, ...]:
+    import copyreg
+
+    state = props.__getstate__()
+    # strides only describe the saved tensor's layout: DCP loads into the destination's
+    return (copyreg.__newobj__, (type(props),),  # type: ignore[attr-defined]
+            tuple(state[:_PORTABLE_TENSOR_PROPERTIES]))
+
+
+def portable_metadata_bytes(metadata: Any) -> bytes:
+    """``pickle.dumps(metadata)`` of a DCP ``Metadata``, readable by every torch release
+    dcpstore supports: ``TensorProperties`` keep their first 5 fields (torch 2.15's
+    ``strides`` is left out; a 2.15 reader sets it to ``None``, as for older files)."""
+    import copyreg
+    import io
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf)
+    table = copyreg.dispatch_table.copy()
+    table[TensorProperties] = _portable_tensor_properties
+    pickler.dispatch_table = table
+    pickler.dump(metadata)
+    return buf.getvalue()

@@ -194,3 +194,35 @@ def test_the_seam_is_the_only_user_of_torch_privates() -> None:
     assert offenders == [], "\n".join(offenders)
     # and the check does see them
     assert _private_torch_uses(PACKAGE / "torch_internals.py")
+
+
+def test_metadata_is_written_in_the_form_every_release_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.15 pickles a sixth TensorProperties field (strides) that 2.14 and older
+    cannot unpack; dcpstore's .metadata keeps the five every release reads."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    props = TensorProperties.create_from_tensor(torch.zeros(2, 3, dtype=torch.bfloat16))
+    md = Metadata({"w": TensorStorageMetadata(props, torch.Size([2, 3]), [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))])})
+    raw = ti.portable_metadata_bytes(md)
+
+    seen: list[int] = []
+    original = TensorProperties.__setstate__
+
+    def five_fields_only(self: TensorProperties, state: tuple[object, ...]) -> None:
+        seen.append(len(state))
+        assert len(state) == 5, "an older torch unpacks exactly 5"
+        original(self, state)
+
+    monkeypatch.setattr(TensorProperties, "__setstate__", five_fields_only)
+    back = pickle.loads(raw)
+    assert seen == [5]
+    got = back.state_dict_metadata["w"].properties
+    assert (got.dtype, got.layout, got.requires_grad, got.pin_memory) == (
+        torch.bfloat16, props.layout, False, False)

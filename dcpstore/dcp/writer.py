@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -70,7 +69,7 @@ from dcpstore.dcp.save_plan import (
 )
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.options import WriterOptions
-from dcpstore.torch_internals import StorageInfo
+from dcpstore.torch_internals import StorageInfo, portable_metadata_bytes
 
 __all__ = ["Writer", "WriterOptions", "payload_digest"]
 
@@ -256,7 +255,7 @@ class Writer(BoundToBackend, StorageWriter):
         metadata.storage_data = storage_data
         metadata.version = _DCP_VERSION
         metadata.storage_meta = StorageMeta(checkpoint_id=self.backend.uri, save_id=self.save_id)
-        metadata_bytes = pickle.dumps(metadata)
+        metadata_bytes = portable_metadata_bytes(metadata)
         manifest = Manifest(
             save_id=self.save_id,
             world_size=len(results),
