@@ -37,7 +37,7 @@ endif
 PIP = $(QUIET_PIP) $(BIN)/python -m pip
 STEP = @echo "==> setup:"
 
-.PHONY: setup demo test test-matrix test-matrix-run matrix-venvs lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves test-gpu bench-gpu clean
+.PHONY: setup demo test test-matrix test-matrix-run matrix-venvs seed-venvs test-seeds test-seeds-run lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves test-gpu bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -81,12 +81,13 @@ demo: setup
 # under 60 minutes on 2 cores (docs/torch-matrix.md).
 test: setup
 	@mkdir -p .venv-torch
-	@$(MAKE) --no-print-directory matrix-venvs > .venv-torch/setup.log 2>&1 & venvs=$$!; \
+	@$(MAKE) --no-print-directory matrix-venvs seed-venvs > .venv-torch/setup.log 2>&1 & venvs=$$!; \
 	$(BIN)/python -m pytest -q; main=$$?; \
 	if ! wait $$venvs; then cat .venv-torch/setup.log; echo "torch matrix: a venv failed"; \
 	    exit 1; fi; \
 	$(MAKE) --no-print-directory test-matrix-run; matrix=$$?; \
-	exit $$(( main || matrix ))
+	$(MAKE) --no-print-directory test-seeds-run; seeds=$$?; \
+	exit $$(( main || matrix || seeds ))
 
 # The torch matrix. The floor is dcpstore._version.TORCH_FLOOR (pyproject.toml says the
 # same); 2.13.0 is the development venv's. Each release gets .venv-torch/<version>
@@ -121,6 +122,29 @@ test-matrix: setup matrix-venvs
 test-matrix-run:
 	@TORCH_MATRIX="$(TORCH_MATRIX)" MATRIX_TESTS="$(MATRIX_TESTS)" \
 	    MATRIX_STORES=$(MATRIX_STORES) DEV_PYTHON=$(BIN)/python .ci/torch-matrix.sh
+
+# The systems dcpstore grew from (docs/integrations/README.md#the-seeds-own-systems), each
+# installed from the registry at its current release in its own venv, .venv-seeds/<system>
+# (.ci/seed-venv.sh, from requirements/seeds/<system>.txt), running its own checkpoint code
+# on dcpstore URIs: save on 2 ranks to SeaweedFS, resume bit-exact, reshard
+# (tests/seeds/test_<system>.py). SEED_SYSTEMS are the ones CI runs (make test).
+SEED_SYSTEMS ?= physicsnemo megatron areal
+
+seed-venvs: $(foreach s,$(SEED_SYSTEMS),.venv-seeds/$(s)/.installed)
+
+.venv-seeds/%/.installed: $(PACKAGING) requirements/constraints.txt requirements/core.txt \
+		requirements/s3.txt requirements/msc.txt requirements/seeds/%.txt .ci/seed-venv.sh
+	$(Q).ci/seed-venv.sh $*
+
+test-seeds: setup seed-venvs
+	$(MAKE) --no-print-directory test-seeds-run
+
+test-seeds-run:
+	@status=0; for s in $(SEED_SYSTEMS); do \
+	    echo "==> seed system $$s: .venv-seeds/$$s, tests/seeds/test_$$s.py"; \
+	    DCPSTORE_SEED_SYSTEM=$$s .venv-seeds/$$s/bin/python -m pytest -q \
+	        -p no:cacheprovider tests/seeds/test_$$s.py || status=1; \
+	done; exit $$status
 
 # The benchmark (docs/performance.md): the full run writes the committed results and the
 # docs' chart: 2 ranks on local disk, SeaweedFS and fake-gcs-server, then moto in a single

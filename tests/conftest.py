@@ -14,6 +14,7 @@ adds backend options per kind of store with ``STORE_OPTIONS = {"s3": {...}, ...}
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,10 @@ from dcpstore.testing.servers import (
     moto_server,
     seaweedfs_server,
 )
+
+# tests/seeds/ runs in each seed system's own venv (`make test-seeds` sets
+# DCPSTORE_SEED_SYSTEM), never in the development venv, where those systems are not installed
+collect_ignore = [] if os.environ.get("DCPSTORE_SEED_SYSTEM") else ["seeds"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

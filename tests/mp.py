@@ -98,6 +98,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
 
 
 _CONTEXT: Any = None
+# installed packages only: the forkserver does not see the tests' sys.path
+# (torch._dynamo: DTensor.from_local imports it, seconds per rank otherwise)
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor",
+            "torch._dynamo", "dcpstore", "dcpstore_s3", "botocore.session", "dcpstore_azure"]
+
+
+def preload(modules: list[str]) -> None:
+    """Import ``modules`` once in the forkserver, not in every rank (a trainer that takes
+    seconds to import). Call it at a test module's import, before its first launch."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    if _CONTEXT is not None:
+        _CONTEXT.set_forkserver_preload(list(_PRELOAD))
 
 
 def _context() -> Any:
@@ -105,11 +117,7 @@ def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        # installed packages only: the forkserver does not see the tests' sys.path
-        # (torch._dynamo: DTensor.from_local imports it, seconds per rank otherwise)
-        ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint",
-                                    "torch.distributed.tensor", "torch._dynamo", "dcpstore",
-                                    "dcpstore_s3", "botocore.session", "dcpstore_azure"])
+        ctx.set_forkserver_preload(list(_PRELOAD))
         _CONTEXT = ctx
     return _CONTEXT
 

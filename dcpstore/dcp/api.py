@@ -213,10 +213,22 @@ def load(
         CheckpointMismatchError, UnsafeCheckpointError: see :mod:`dcpstore.errors`.
     """
     reader = get_reader(uri, backend=backend, process_group=process_group, **options)
+    load_with(reader, state_dict, planner=planner, process_group=process_group,
+              no_dist=not is_distributed())
+
+
+def load_with(reader: Reader, state_dict: dict[str, Any], *,
+              planner: LoadPlanner | None = None, process_group: Any = None,
+              no_dist: bool = False) -> None:
+    """``dcp.load`` with ``reader`` (closed at the end), dcpstore's errors unwrapped.
+
+    ``no_dist=True`` loads on this process alone, without collectives, even inside a
+    distributed job (an integration loading replicated state on each rank by itself).
+    """
     try:
         with single_process_quiet():
             dcp.load(state_dict, storage_reader=reader, planner=planner or CheckedLoadPlanner(),
-                     process_group=process_group, no_dist=not is_distributed())
+                     process_group=process_group, no_dist=no_dist)
     except CheckpointException as exc:
         # DCP folds read_metadata errors into an AssertionError; the reader kept ours
         if reader.metadata_error is not None:

@@ -13,6 +13,12 @@ is a dependency of dcpstore.
 - :mod:`dcpstore.integrations.lightning`: PyTorch Lightning.
 - :mod:`dcpstore.integrations.accelerate`: HF Accelerate (``DcpstoreAccelerator``).
 - :mod:`dcpstore.integrations.transformers`: the HF Trainer (``DcpstoreTrainer``).
+- :mod:`dcpstore.integrations.physicsnemo`: PhysicsNeMo's ``save_checkpoint`` /
+  ``load_checkpoint`` / ``load_model_weights`` on dcpstore URIs, sharded (one import).
+- :mod:`dcpstore.integrations.megatron`: Megatron-Core ``dist_checkpointing`` on dcpstore
+  URIs (``DcpstoreFeature.enable()``, a feature flag in Megatron's own style).
+- :mod:`dcpstore.integrations.areal`: AReaL's FSDP engine save, load and recover on
+  dcpstore URIs.
 
 See docs/integrations/ for one page per integration.
 """

@@ -41,6 +41,7 @@ KNOWN_SCHEMES: dict[str, str] = {
     "gs": "pip install dcpstore-gcs  (from this repository: pip install ./backends/gcs)",
     "gcs": "pip install dcpstore-gcs  (from this repository: pip install ./backends/gcs)",
     "msc": "pip install dcpstore-msc  (from this repository: pip install ./backends/msc)",
+    "az": "pip install dcpstore-azure  (from this repository: pip install ./backends/azure)",
 }
 
 _lock = threading.Lock()
