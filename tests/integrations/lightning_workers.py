@@ -337,8 +337,24 @@ def job_local_failed_save(rank: int, world_size: int, cfg: dict[str, Any]) -> An
             "hidden_saves": hidden}
 
 
+def job_resumed_run(rank: int, world_size: int, cfg: dict[str, Any]) -> Any:
+    """One run of docs/integrations/lightning.md's example (async saves, top-2 by step,
+    save_last, ``fit(ckpt_path="last")``) up to ``cfg["max_steps"]``; the test launches it
+    again, in new processes, for each resumed run."""
+    from dcpstore.integrations.lightning import DcpstoreModelParallelStrategy
+
+    root, out = cfg["root"], cfg["out"]
+    strategy = DcpstoreModelParallelStrategy(data_parallel_size=world_size,
+                                             tensor_parallel_size=1, async_save=True)
+    t = trainer(root, world_size, [make_recorder(out, cfg["tag"]), checkpoint_cb(f"{root}/ckpt")],
+                strategy=strategy, max_steps=cfg["max_steps"], logger=False)
+    t.fit(make_model(), ckpt_path="last")
+    return {"ckpt_path": t.ckpt_path, "global_step": t.global_step}
+
+
 JOBS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {
     "s3_fit_and_async_resume": job_s3_fit_and_async_resume,
     "resume_one_rank": job_resume_one_rank,
     "local_failed_save": job_local_failed_save,
+    "resumed_run": job_resumed_run,
 }

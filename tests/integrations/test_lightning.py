@@ -15,8 +15,10 @@ Three rank launches in all (each runs one or two ``fit`` calls):
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import fsspec
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lightning_workers
 
 import dcpstore
+from dcpstore.errors import ConfigurationError
 from dcpstore.integrations import lightning as dl
 
 
@@ -132,8 +135,8 @@ def test_s3_save_topk_last_async_and_resume_at_one_rank(s3_root: str, tmp_path: 
     # end, nothing of step 10 is left, "last" still names step 8
     assert "async checkpoint save failed" in report["error"], report["error"]
     assert "injected" in report["error"]
-    # top-k 2 by step: 2 and 4 deleted (4 only after step 8 committed); 6 kept (fit 2
-    # resumed from it)
+    # top-k 2 by step: 2 and 4 deleted (4 only after step 8 committed); 6 kept (step 10,
+    # whose commit its deletion waited for, never committed)
     assert _names(ckpt) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     for name in ("epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"):
         assert _committed(f"{ckpt}/{name}")
@@ -185,3 +188,108 @@ def test_local_failed_save_keeps_previous_and_last(tmp_path: Path) -> None:
     assert sorted(p.name for p in last_only.iterdir()) == ["last.ckpt"]
     pointer = json.loads((last_only / "last.ckpt").read_text())
     assert pointer["target"] == str(ckpt / "epoch=0-step=6.ckpt"), pointer
+
+
+def test_resumed_runs_leave_top_k_and_last_only(s3_root: str, tmp_path: Path) -> None:
+    """Three runs of the docs' example (async saves, top-2 by step, save_last,
+    ``fit(ckpt_path="last")``), each in new processes: the checkpoint a run resumed from is
+    deleted when save_top_k evicts it, so each run leaves the top 2 and "last", nothing else."""
+    out = tmp_path / "out"
+    ckpt = f"{s3_root}/ckpt"
+    runs = [(4, ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]),
+            (8, ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]),
+            (12, ["epoch=1-step=10.ckpt", "epoch=1-step=12.ckpt"])]
+    previous = 0
+    for n, (max_steps, top2) in enumerate(runs, 1):
+        cfg = {"root": s3_root, "out": str(out), "cwd": str(tmp_path), "tag": f"run{n}",
+               "max_steps": max_steps}
+        report, _ = lightning_workers.run_job("resumed_run", 2, cfg)
+        assert report["global_step"] == max_steps
+        if previous:
+            # resumed from "last", bit-exact
+            assert report["ckpt_path"] == f"{ckpt}/last.ckpt"
+            _assert_resumed(out, f"run{n}", previous)
+        assert _names(ckpt) == [*top2, "last.ckpt"], f"after run {n}"
+        for name in top2:
+            assert _committed(f"{ckpt}/{name}")
+        backend = dcpstore.open_backend(ckpt)
+        pointer = json.loads(backend.get("last.ckpt"))
+        backend.close()
+        assert pointer["target"] == top2[-1] and pointer["global_step"] == max_steps
+        previous = max_steps
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_last_keeps_what_it_names_until_it_moves(tmp_path: Path) -> None:
+    """save_top_k may evict the checkpoint an earlier run's "last" names before this run's
+    "last" has moved on (with a monitored metric, at a resumed run's first save): it is
+    deleted only once "last" names another, so "last" never names a deleted checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = tmp_path / "ckpt"
+    step4, step6, last = (str(ckpt / name) for name in
+                          ("epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"))
+    # what the earlier run left: step 4, and "last" naming it
+    dcpstore.save({"w": torch.ones(4)}, step4)
+    Path(last).write_text(json.dumps({"format": dl.POINTER_FORMAT,
+                                      "target": "epoch=0-step=4.ckpt", "global_step": 4}))
+    callback = ModelCheckpoint(dirpath=str(ckpt), save_last=True)
+    callback.last_model_path = last  # as Lightning restores it from the resumed checkpoint
+    strategy = dl.DcpstoreModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    strategy._attach(SimpleNamespace(default_root_dir=str(tmp_path),
+                                     checkpoint_callbacks=[callback]))
+
+    def checkpoint() -> dict[str, Any]:
+        return {"state_dict": {"w": torch.full((4,), 6.0)}, "global_step": 6, "epoch": 0,
+                "loops": {"steps": 6}}
+
+    # what ModelCheckpoint does at step 6: the top-k save, the eviction of step 4, "last"
+    strategy.save_checkpoint(checkpoint(), step6)
+    strategy.remove_checkpoint(step4)
+    assert _committed(step4), "deleted while 'last' named it"
+    strategy.save_checkpoint(checkpoint(), last)
+    assert json.loads(Path(last).read_text())["target"] == "epoch=0-step=6.ckpt"
+    assert sorted(os.listdir(ckpt)) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+
+
+def test_other_strategies_refuse_dcpstore_uris(s3_root: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the integration imported, a Trainer whose strategy is not
+    DcpstoreModelParallelStrategy is refused a dcpstore URI (default_root_dir, a
+    ModelCheckpoint dirpath, ckpt_path) when fit starts, before anything is written: stock
+    strategies would put the checkpoints in a local ./s3: and never find "last"."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    monkeypatch.chdir(tmp_path)
+    local = str(tmp_path / "run")
+
+    def make(strategy: Any = "auto", root: str = s3_root, callbacks: Any = None) -> Any:
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1,
+                          default_root_dir=root, callbacks=callbacks,
+                          enable_progress_bar=False, enable_model_summary=False)
+
+    fsdp = make(root=local)
+    # Lightning refuses FSDPStrategy on CPU when the Trainer is made; put it where the
+    # Trainer holds its strategy, as a Trainer on GPUs has it
+    fsdp._accelerator_connector.strategy = FSDPStrategy()
+    cases = [
+        (make(), {}, "default_root_dir", "SingleDeviceStrategy"),
+        (make(DDPStrategy(), local, [ModelCheckpoint(dirpath=f"{s3_root}/ckpt")]), {},
+         "dirpath", "DDPStrategy"),
+        (fsdp, {"ckpt_path": f"{s3_root}/ckpt/last.ckpt"}, "ckpt_path", "FSDPStrategy"),
+    ]
+    for trainer, kwargs, what, name in cases:
+        with pytest.raises(ConfigurationError) as info:
+            trainer.fit(lightning_workers.make_model(), **kwargs)
+        message = str(info.value)
+        assert name in message and what in message, message
+        assert "DcpstoreModelParallelStrategy" in message, message
+    with pytest.raises(ConfigurationError, match="DcpstoreModelParallelStrategy"):
+        make(root=local).save_checkpoint(f"{s3_root}/manual.ckpt")
+    # a URI pathlib mangled is refused too (ModelCheckpoint made it ./s3:/...)
+    mangled = make(DDPStrategy(), local, [ModelCheckpoint(dirpath=Path(f"{s3_root}/ckpt"))])
+    with pytest.raises(dcpstore.InvalidURIError, match="mangled"):
+        mangled.fit(lightning_workers.make_model())
+    assert os.listdir(tmp_path) == [] and _names(s3_root) == []

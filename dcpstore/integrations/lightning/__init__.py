@@ -23,9 +23,10 @@ What it does:
   same step (a full copy goes to a hidden ``.dcpstore-last-*`` checkpoint only when no
   checkpoint was saved at that step). The pointer is written only after its target
   committed, with one single-request PUT, so it never names an uncommitted checkpoint.
-- **Retention.** ``save_top_k`` deletes through dcpstore (``.metadata`` first), never the
-  checkpoint this run resumed from nor the one "last" names (that one is deleted when
-  "last" moves on), and with ``async_save=True`` only after the newer save committed.
+- **Retention.** ``save_top_k`` deletes through dcpstore (``.metadata`` first), the
+  checkpoint a run resumed from included once it is loaded; never one a "last" pointer
+  (this run's or an earlier run's) names: that one is deleted when "last" moves on, or
+  when ``fit`` ends. With ``async_save=True``, only after the newer save committed.
 - **Async.** ``async_save=True`` snapshots the state (a copy in CPU memory) and streams it
   with ``dcp.async_save`` on a dedicated gloo group while training goes on; the next save
   (or the end of ``fit``) waits for it, and a failed background save is raised there.
@@ -35,6 +36,10 @@ What it does:
   ``CSVLogger`` go through dcpstore and need no s3fs. fsspec's own registry is untouched.
   A URI that was mangled on the way (``s3:/b/x``, a ``Path("s3://...")``, a local
   directory named ``s3:``) is refused.
+- **Other strategies.** Importing this module also makes ``Trainer.fit`` (``validate``,
+  ``test``, ``predict``, ``save_checkpoint``) refuse a dcpstore URI with
+  :class:`~dcpstore.errors.ConfigurationError` unless the strategy is
+  :class:`DcpstoreModelParallelStrategy` (``FSDPStrategy`` would write into ``./s3:``).
 
 The modules: :mod:`~dcpstore.integrations.lightning.strategy` (the strategy: save, load,
 async saves), :mod:`~dcpstore.integrations.lightning.retention` ("last" pointers and

@@ -4,7 +4,9 @@ background), loaded and removed through dcpstore."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import io
 import logging
 import os
@@ -22,9 +24,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 import dcpstore
+from dcpstore.errors import ConfigurationError
 from dcpstore.integrations.lightning.filesystem import _find_last
 from dcpstore.integrations.lightning.retention import LAST_COPY_PREFIX, _CheckpointStore
-from dcpstore.integrations.lightning.uris import _join, _split, checked_uri
+from dcpstore.integrations.lightning.uris import _is_remote, _join, _split, checked_uri
 
 __all__ = ["META_KEY", "DcpstoreModelParallelStrategy"]
 
@@ -100,6 +103,7 @@ class DcpstoreModelParallelStrategy(_CheckpointStore, ModelParallelStrategy):
         # rank 0's bookkeeping: what was committed last, what "last" names, what not to delete
         self._last_save: tuple[str, Any] | None = None
         self._pointers: dict[str, str] = {}
+        self._looked_up: set[str] = set()
         self._resumed: set[str] = set()
         self._deferred: list[str] = []
 
@@ -145,15 +149,27 @@ class DcpstoreModelParallelStrategy(_CheckpointStore, ModelParallelStrategy):
         try:
             self.wait()
         finally:
-            super().teardown()
+            try:
+                if self.global_rank == 0:
+                    # deletions still deferred: this process's bookkeeping ends here
+                    self._flush_deferred()
+            finally:
+                super().teardown()
 
     # -- the store (the rest is _CheckpointStore's) ----------------------------------------
 
     def _resolve(self, uri: str) -> str:
         """Follow a "last" pointer (on rank 0, broadcast)."""
-        target = self._read_pointer(uri) if self.global_rank == 0 else None
+        target = self._known_target(uri) if self.global_rank == 0 else None
         target = self.broadcast(target)
         return target or uri
+
+    def _pointer_uris(self) -> list[str]:
+        trainer = self._trainer
+        if trainer is None:
+            return []
+        return [os.fspath(cb.last_model_path) for cb in trainer.checkpoint_callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.last_model_path]
 
     # -- async bookkeeping -----------------------------------------------------------------
 
@@ -271,6 +287,15 @@ class DcpstoreModelParallelStrategy(_CheckpointStore, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                         ) -> dict[str, Any]:
         """Load model and optimizer shards in place (any world size) and return the rest."""
+        uri = self._resolve(checked_uri(self.broadcast(checkpoint_path)))
+        # not deleted while it is read; once loaded, retention may let it go like any other
+        self._resumed.add(uri)
+        try:
+            return self._load(uri, weights_only)
+        finally:
+            self._resumed.discard(uri)
+
+    def _load(self, uri: str, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -279,8 +304,6 @@ class DcpstoreModelParallelStrategy(_CheckpointStore, ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        uri = self._resolve(checked_uri(self.broadcast(checkpoint_path)))
-        self._resumed.add(uri)
         module = self.model
         assert module is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
@@ -341,3 +364,104 @@ def _fingerprint(checkpoint: Mapping[str, Any]) -> tuple[Any, ...]:
     torch.save(checkpoint.get("loops"), buffer)
     return (checkpoint.get("global_step"), checkpoint.get("epoch"),
             hashlib.sha256(buffer.getvalue()).hexdigest())
+
+
+# -- other strategies --------------------------------------------------------------------
+
+
+def _refuse_other_strategy(trainer: Any, paths: list[tuple[str, Any]]) -> None:
+    """Refuse a dcpstore URI (or a mangled one) among ``paths`` when the trainer's strategy
+    is not :class:`DcpstoreModelParallelStrategy`.
+
+    Raises:
+        dcpstore.errors.ConfigurationError: A dcpstore URI for a strategy that does not
+            save through dcpstore.
+        dcpstore.InvalidURIError: A URI that ``pathlib`` / ``normpath`` mangled.
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, DcpstoreModelParallelStrategy):
+        return  # its own checks run when it attaches to the trainer
+    for what, path in paths:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            continue
+        uri = checked_uri(path)
+        if _is_remote(uri):
+            scheme = uri.split("://", 1)[0]
+            raise ConfigurationError(
+                f"{type(strategy).__name__} does not save checkpoints through dcpstore, and "
+                f"this Trainer was given the dcpstore URI {uri!r} as {what}. Lightning's own "
+                "checkpoint code does not serve it (FSDPStrategy and ModelParallelStrategy "
+                f"write the shards into a local directory named '{scheme}:', and "
+                "ckpt_path='last' finds nothing on the store, so training silently starts "
+                "over). Use dcpstore.integrations.lightning.DcpstoreModelParallelStrategy "
+                "(FSDP2 / tensor parallel, e.g. DcpstoreModelParallelStrategy("
+                "data_parallel_size=N, tensor_parallel_size=1) in place of FSDPStrategy), or "
+                "give this Trainer local paths"
+            )
+
+
+def _trainer_paths(trainer: Any, ckpt_path: Any) -> list[tuple[str, Any]]:
+    """Where a run's checkpoints go and come from: ``default_root_dir``, each
+    ``ModelCheckpoint`` directory (the first logger's ``save_dir`` where it has none) and
+    ``ckpt_path``."""
+    paths: list[tuple[str, Any]] = [("default_root_dir", trainer.default_root_dir)]
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        if callback.dirpath is not None:
+            paths.append(("ModelCheckpoint(dirpath=...)", callback.dirpath))
+        elif trainer.loggers:
+            paths.append(("the logger's save_dir (where ModelCheckpoint saves)",
+                          trainer.loggers[0].save_dir))
+    paths.append(("ckpt_path", ckpt_path))
+    return paths
+
+
+def _guarded(method: Callable[..., Any], path_argument: str, whole_run: bool
+             ) -> Callable[..., Any]:
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            path = signature.bind(self, *args, **kwargs).arguments.get(path_argument)
+        except TypeError:  # Lightning says what is wrong with the call
+            return method(self, *args, **kwargs)
+        paths = _trainer_paths(self, path) if whole_run else [(path_argument, path)]
+        _refuse_other_strategy(self, paths)
+        return method(self, *args, **kwargs)
+
+    setattr(guarded, "_dcpstore_guard", True)  # noqa: B010
+    return guarded
+
+
+def _guard_trainer() -> list[str]:
+    """Make ``Trainer.fit`` / ``validate`` / ``test`` / ``predict`` / ``save_checkpoint``
+    refuse a dcpstore URI unless the strategy is :class:`DcpstoreModelParallelStrategy`.
+
+    Called when this module is imported. Lightning's other strategies (``FSDPStrategy``,
+    ``DDPStrategy``, a single device, stock ``ModelParallelStrategy``, ...) pass checkpoint
+    paths through ``pathlib``: an ``s3://`` checkpoint would land in a local directory named
+    ``s3:``, and ``ckpt_path="last"`` would silently start from scratch. They are refused
+    when the run starts, before anything is written, with
+    :class:`~dcpstore.errors.ConfigurationError`.
+
+    Returns:
+        The ``Trainer`` methods guarded by this call (none when they already were).
+    """
+    from lightning.pytorch import Trainer
+
+    guarded = []
+    for name, argument, whole_run in (("fit", "ckpt_path", True),
+                                      ("validate", "ckpt_path", True),
+                                      ("test", "ckpt_path", True),
+                                      ("predict", "ckpt_path", True),
+                                      ("save_checkpoint", "filepath", False)):
+        method = getattr(Trainer, name)
+        if not getattr(method, "_dcpstore_guard", False):
+            setattr(Trainer, name, _guarded(method, argument, whole_run))
+            guarded.append(name)
+    return guarded
+
+
+_guard_trainer()
