@@ -1,10 +1,11 @@
 """torchtitan: sharded checkpoints on ``s3://``, ``gs://``, ``msc://`` or local disk via dcpstore.
 
 The one change is the checkpoint config's class: in a torchtitan config function,
+keeping what the model's config function set (``last_save_model_only``, ``interval``...),
 
 >>> from dcpstore.integrations.torchtitan import DcpstoreCheckpointManager
->>> config.checkpoint = DcpstoreCheckpointManager.Config(
-...     enable=True, folder="s3://bucket/run7", interval=500, keep_latest_k=3)
+>>> config.checkpoint = DcpstoreCheckpointManager.Config.from_config(
+...     config.checkpoint, enable=True, folder="s3://bucket/run7", keep_latest_k=3)
 
 :class:`DcpstoreCheckpointManager` is torchtitan's own DCP ``CheckpointManager`` (same
 config fields, ``step-N`` layout, async modes, HF export) with its storage calls made
@@ -27,7 +28,10 @@ torchtitan (``torchtitan.components.checkpointer``) and nothing else of it.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+import queue
 import re
 import threading
 from collections.abc import Iterator
@@ -41,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import dcp as _titan_dcp
-from torchtitan.components.checkpointer.base import MODEL, purge_thread
+from torchtitan.components.checkpointer.base import MODEL, BaseCheckpointManager, purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
@@ -172,10 +176,12 @@ def _store_filesystem() -> Iterator[None]:
 class DcpstoreCheckpointManager(CheckpointManager):
     """torchtitan's DCP ``CheckpointManager``, storing through dcpstore.
 
-    Select it with ``config.checkpoint = DcpstoreCheckpointManager.Config(...)``; the
-    fields are those of torchtitan's ``CheckpointManager.Config``. ``folder`` may be a
-    local path or any URI dcpstore serves (``s3://``, ``gs://``, ``msc://``, ``file://``,
-    plugin schemes).
+    Select it with ``config.checkpoint = DcpstoreCheckpointManager.Config.from_config(
+    config.checkpoint, enable=True, folder=...)``, which keeps the fields the model's
+    config function set (or with ``DcpstoreCheckpointManager.Config(...)``, which starts
+    from torchtitan's defaults); the fields are those of torchtitan's
+    ``CheckpointManager.Config``. ``folder`` may be a local path or any URI dcpstore
+    serves (``s3://``, ``gs://``, ``msc://``, ``file://``, plugin schemes).
 
     Raises:
         dcpstore.InvalidURIError: ``folder`` is a mangled URI (``s3:/b/x``).
@@ -186,19 +192,64 @@ class DcpstoreCheckpointManager(CheckpointManager):
     class Config(CheckpointManager.Config):
         """torchtitan's ``CheckpointManager.Config``; building it makes a dcpstore manager."""
 
+        @classmethod
+        def from_config(cls, config: BaseCheckpointManager.Config,
+                        **changes: Any) -> DcpstoreCheckpointManager.Config:
+            """``config``'s settings in dcpstore's config class, with ``changes`` applied.
+
+            Use it on the config a model's config function made, so that what it set
+            (``last_save_model_only=False``, ``interval``, ``keep_latest_k``...) is kept;
+            building a fresh ``Config(...)`` instead starts from torchtitan's defaults
+            (``last_save_model_only=True``: the last step is saved model-only, and a
+            resumed run then fails with ``Missing key in checkpoint state_dict``)::
+
+                config.checkpoint = DcpstoreCheckpointManager.Config.from_config(
+                    config.checkpoint, enable=True, folder="s3://bucket/run7")
+
+            Args:
+                config: The checkpoint config to start from: torchtitan's
+                    ``CheckpointManager.Config`` (or any ``BaseCheckpointManager.Config``).
+                **changes: Fields to set on top (``enable``, ``folder``, ``interval``...).
+
+            Returns:
+                A new config (nothing is shared with ``config``), validated as
+                torchtitan validates its own.
+
+            Raises:
+                TypeError: ``config`` has fields this config lacks (they would be
+                    dropped), or ``changes`` names a field it lacks.
+                ValueError: The resulting settings are invalid (torchtitan's checks).
+            """
+            ours = {f.name for f in dataclasses.fields(cls) if f.init}
+            theirs = {f.name for f in dataclasses.fields(config) if f.init}
+            lost = sorted(theirs - ours - changes.keys())
+            if lost:
+                raise TypeError(
+                    f"{type(config).__qualname__} has fields that "
+                    f"DcpstoreCheckpointManager.Config lacks: {', '.join(lost)}; they would "
+                    "be dropped (dcpstore's manager is torchtitan's DCP CheckpointManager)")
+            unknown = sorted(changes.keys() - ours)
+            if unknown:
+                raise TypeError(
+                    f"DcpstoreCheckpointManager.Config has no field {', '.join(unknown)}")
+            values = {name: copy.deepcopy(getattr(config, name)) for name in theirs & ours}
+            return cls(**{**values, **changes})
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+        # torchtitan's retention thread deletes with shutil/fsspec: it is never started
+        # (keep_latest_k=0 for the base class), and dcpstore's starts in its place
+        base = copy.copy(config)  # not dataclasses.replace: no second round of its checks
+        base.keep_latest_k = 0
+        super().__init__(base, **kwargs)
         if not self.enable:
             return
         check_uri(self.folder)
         if not serves(self.folder):
             open_backend(self.folder)  # raises the backend's own "install X" error
             raise BackendNotFoundError(f"no dcpstore backend serves {self.folder!r}")
-        old: threading.Thread | None = getattr(self, "purge_thread", None)
-        if old is not None:
-            # torchtitan's purge thread deletes with shutil/fsspec: replace its remover
-            self.purge_queue.put(None)
-            old.join()
+        self.keep_latest_k = config.keep_latest_k
+        if self.keep_latest_k > 0:
+            self.purge_queue: queue.Queue[str | None] = queue.Queue()
             self.purge_thread = threading.Thread(
                 target=purge_thread, args=(self.purge_queue, remove_step), daemon=True,
                 name="dcpstore-purge",

@@ -6,7 +6,10 @@ FSDP2 model on 2 gloo ranks; the trainer itself is not run (it needs a CUDA devi
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpointer.dcp import CheckpointManager
 
 import dcpstore
 from dcpstore.integrations.dcp_routing import MangledURIError
@@ -163,3 +167,105 @@ def test_mangled_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         _manager(str(Path(f"s3://bucket/{uuid.uuid4().hex}")), model, optimizers, _Counter(),
                  _Counter(), keep_latest_k=0)
     assert os.listdir(tmp_path) == []
+
+
+class _Loader(Stateful):
+    """Stands in for torchtitan's dataloader: its state is keyed by the data-parallel rank
+    (``dataloader.dp_rank_0`` in the checkpoint)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dp_rank_0": torch.tensor(self.position)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["dp_rank_0"])
+
+
+def _model_config() -> CheckpointManager.Config:
+    """What a model's config function sets (``llama3_debugmodel``'s checkpoint config)."""
+    return CheckpointManager.Config(interval=10, last_save_model_only=False, keep_latest_k=3)
+
+
+def _docs_run(rank: int, world_size: int, folder: str, steps: int) -> dict[str, int]:
+    """One run of the trainer's loop, with ``config.checkpoint`` set as the docs say."""
+    checkpoint = DcpstoreCheckpointManager.Config.from_config(
+        _model_config(), enable=True, folder=folder, interval=2)
+    model, optimizers, train_state, lr = _setup(world_size, seed=3)
+    loader = _Loader()
+    mgr = checkpoint.build(dataloader=loader, model_parts=[model], optimizers=optimizers,
+                           lr_schedulers=lr, states={"train_state": train_state},
+                           sd_adapter=None, base_folder="")
+    resumed = mgr.load()
+    first = train_state.step + 1
+    for step in range(first, first + steps):
+        model(torch.randn(4, 12)).pow(2).mean().backward()
+        optimizers.optim.step()
+        optimizers.optim.zero_grad()
+        train_state.step, loader.position = step, 10 * step
+        mgr.save(step, last_step=step == first + steps - 1)
+    mgr.close()
+    return {"resumed": int(resumed), "first": first, "position": loader.position}
+
+
+@pytest.mark.multiprocess
+def test_docs_snippet_keeps_the_model_configs_fields_and_resumes(tmp_path: Path) -> None:
+    """The docs' change (``from_config(config.checkpoint, ...)``) keeps what the model's
+    config function set: ``last_save_model_only=False`` survives, so the last step is a
+    full checkpoint and a second run resumes from it (with a fresh
+    ``DcpstoreCheckpointManager.Config(...)`` torchtitan's default ``True`` made it
+    model-only, and run 2 failed with ``Missing key ... dataloader.dp_rank_0``)."""
+    folder = str(tmp_path / "ckpt")
+    assert run_ranks(_docs_run, 1, folder, 3)[0] == {"resumed": 0, "first": 1, "position": 30}
+    assert committed_steps(folder) == [2, 3]
+    assert run_ranks(_docs_run, 1, folder, 3)[0] == {"resumed": 1, "first": 4, "position": 60}
+    assert committed_steps(folder) == [2, 3, 4, 6]
+
+
+def test_from_config_copies_every_field_and_applies_the_changes() -> None:
+    base = _model_config()
+    base.exclude_from_loading = ["lr_scheduler"]
+    cfg = DcpstoreCheckpointManager.Config.from_config(base, enable=True, folder="s3://b/r",
+                                                       async_mode="async")
+    assert type(cfg) is DcpstoreCheckpointManager.Config
+    expected = {**dataclasses.asdict(base), "enable": True, "folder": "s3://b/r",
+                "async_mode": "async"}
+    assert dataclasses.asdict(cfg) == expected
+    assert cfg.exclude_from_loading is not base.exclude_from_loading  # not shared
+    assert cfg._owner is DcpstoreCheckpointManager
+    # validated as torchtitan validates its own config
+    with pytest.raises(ValueError, match="at least 2 checkpoint replicas"):
+        DcpstoreCheckpointManager.Config.from_config(base, keep_latest_k=1)
+    with pytest.raises(TypeError, match="no field no_such_field"):
+        DcpstoreCheckpointManager.Config.from_config(base, no_such_field=1)
+    # a config with fields dcpstore's lacks: refused rather than silently dropped
+    with pytest.raises(TypeError, match="lacks: replica_id"):
+        DcpstoreCheckpointManager.Config.from_config(_ExtraConfig(replica_id=3))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _ExtraConfig(CheckpointManager.Config):
+    """A checkpoint config of another manager, with a field torchtitan's DCP one lacks."""
+
+    replica_id: int = 0
+
+
+def test_start_up_does_not_destroy_a_purge_thread(tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Building the manager starts one purge thread, dcpstore's (deleting through
+    dcpstore), and logs nothing about destroying one; closing it does."""
+    model = Net()
+    optimizers = _Optimizers(model, torch.optim.AdamW(model.parameters()))
+    before = set(threading.enumerate())
+    with caplog.at_level(logging.INFO):
+        mgr = _manager(str(tmp_path / "ckpt"), model, optimizers, _Counter(), _Counter(),
+                       keep_latest_k=2)
+        started = [t for t in threading.enumerate() if t not in before]
+        assert [t.name for t in started] == ["dcpstore-purge"]
+        assert mgr.purge_thread is started[0] and started[0].is_alive()
+        assert not [r for r in caplog.records if "purge thread" in r.getMessage()]
+        mgr.close()
+    assert not started[0].is_alive()
+    assert [r.getMessage() for r in caplog.records
+            if "purge thread" in r.getMessage()] == ["Destroying the purge thread."]
