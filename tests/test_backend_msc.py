@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import logging
 import math
 import threading
 import time
@@ -44,6 +45,7 @@ from dcpstore_msc import (  # noqa: E402
     ProfileNotFoundError,
     StorageNotFoundError,
 )
+from dcpstore_msc.config import _one_attempt  # noqa: E402
 
 from dcpstore.testing.servers import S3Server, moto_server  # noqa: E402
 from dcpstore.testing.stores import (  # noqa: E402
@@ -503,3 +505,54 @@ def test_retries_are_dcpstores_alone(s3_store: tuple[S3Server, str]) -> None:
             be.put("obj", b"x" * 100)
         assert proxy.snapshot().requests["PUT"] == 4
         be.close()
+
+
+def test_profile_retries_are_overridden_and_said_so(s3_store: tuple[S3Server, str],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A profile that sets MSC's ``retry`` attempts and botocore's ``retries`` itself gets
+    one attempt of each too (dcpstore's ``max_attempts`` is the one retry policy), and the
+    plugin says so, naming the profile, what it set and the option that counts."""
+    s3, bucket = s3_store
+    plan = FaultPlan(rate=1.0, kinds=("503",), match=lambda info: info.method == "PUT")
+    with FaultProxy(s3.endpoint_url, plan) as proxy:
+        config = {"profiles": {"explicit": msc_store_profile(
+            s3, bucket, endpoint=proxy.endpoint_url, retry_attempts=5)}}
+        with caplog.at_level(logging.INFO, logger="dcpstore_msc"):
+            be = dcpstore.open_backend(f"msc://explicit/{fresh('retries')}", config=config,
+                                       max_attempts=3, retry_backoff=0.01)
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("dcpstore_msc")]
+        assert len(said) == 1, said
+        assert "'explicit'" in said[0] and "retry attempts 5" in said[0], said[0]
+        assert "retries {'max_attempts': 2}" in said[0] and "max_attempts" in said[0]
+        proxy.reset_stats()
+        with pytest.raises(OSError):
+            be.put("obj", b"x" * 100)
+        assert proxy.snapshot().requests["PUT"] == 3
+        be.close()
+
+
+def test_azure_sdk_retries_are_set_to_one_attempt() -> None:
+    """An MSC ``azure`` profile: the Azure SDK's own retries (``retry_total``, 3 by default
+    in azure-core) are set to none as well, as botocore's are for S3-type providers; what
+    the profile set itself is reported. (The config MSC gets: MSC's azure provider needs
+    ``azure-identity``, which the test environment does not install, so no requests are
+    counted here.)"""
+    config: dict[str, Any] = {"profiles": {"blob": {
+        "retry": {"attempts": 4, "delay": 0.5},
+        "storage_provider": {"type": "azure", "options": {
+            "endpoint_url": "https://acct.blob.core.windows.net", "base_path": "c",
+            "retry_total": 5, "retry_read": 2, "read_timeout": 30}},
+    }, "other": {"storage_provider": {"type": "azure", "options": {"base_path": "d"}}}}}
+    merged, overridden = _one_attempt(config, "blob")
+    assert merged["profiles"]["blob"] == {
+        "retry": {"attempts": 1, "delay": 0.5},
+        "storage_provider": {"type": "azure", "options": {
+            "endpoint_url": "https://acct.blob.core.windows.net", "base_path": "c",
+            "retry_total": 0, "read_timeout": 30}},
+    }
+    assert overridden == ["retry attempts 4", "retry_total 5", "retry_read 2"]
+    assert merged["profiles"]["other"] == config["profiles"]["other"]  # only the one used
+    assert config["profiles"]["blob"]["retry"]["attempts"] == 4  # the caller's untouched
+    merged, overridden = _one_attempt(config, "other")
+    assert merged["profiles"]["other"]["storage_provider"]["options"]["retry_total"] == 0
+    assert overridden == []

@@ -5,14 +5,17 @@ configuration (the ``config`` option, else MSC's own lookup: ``MSC_CONFIG``, its
 paths, rclone configs); any other URL or path (the feature flag) through the config's
 ``path_mapping`` first, then MSC's implicit profiles (``_s3-<bucket>``,
 ``__filesystem__``). The plugin builds the client from that config itself, with the
-profile's ``retry`` attempts set to one: dcpstore retries every request
-(``max_attempts``), and MSC retrying inside each attempt would multiply the requests.
+profile's ``retry`` attempts set to one (and the SDK's own retries inside S3-type and
+Azure providers): dcpstore retries every request (``max_attempts``), and MSC retrying
+inside each attempt would multiply the requests. A profile that sets retries itself is
+overridden too, and an INFO line says so.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +34,8 @@ __all__ = [
 
 MSC_SCHEME = "msc"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class MSCOptions(StoreOptions):
@@ -45,7 +50,8 @@ class MSCOptions(StoreOptions):
         spool_dir: Directory of the temporary spool files (default: the system's).
         fsync: On POSIX profiles, ``fsync`` data files before they are renamed into place.
         max_attempts: Attempts per request (dcpstore's retries; the profile's own
-            ``retry`` attempts are set to one, so they do not multiply).
+            ``retry`` attempts, and botocore's or the Azure SDK's inside its provider,
+            are set to one, even where the profile sets them, so they do not multiply).
         read_chunk: Largest single ``read`` request. MSC returns each ranged read as a
             whole ``bytes`` object, so a range the reader asks for (up to 64 MiB) is
             fetched as consecutive requests of at most this many bytes, each copied
@@ -241,23 +247,48 @@ def _check_endpoint(config: dict[str, Any], profile: str) -> None:
 #: Storage providers built on botocore, whose own retries MSC passes through as the
 #: provider option ``retries`` (a ``botocore.config.Config`` setting).
 _BOTOCORE_PROVIDERS = frozenset({"s3", "s8k", "gcs_s3", "ais_s3"})
+#: The Azure SDK's retry options, which MSC's ``azure`` provider passes to its client.
+_AZURE_RETRY_OPTIONS = ("retry_total", "retry_connect", "retry_read", "retry_status")
+_ONE_BOTOCORE_ATTEMPT = {"total_max_attempts": 1}
 
 
-def _one_attempt(config: dict[str, Any], profile: str) -> dict[str, Any]:
-    """``config`` with ``profile``'s MSC ``retry`` attempts set to one, and botocore's
-    own retries inside an S3-type provider too: dcpstore retries each request itself,
-    and retries in three layers would multiply the requests."""
+def _one_attempt(config: dict[str, Any], profile: str) -> tuple[dict[str, Any], list[str]]:
+    """``config`` with ``profile``'s MSC ``retry`` attempts set to one, and the SDK's own
+    retries inside its provider too (botocore's for S3-type providers, the Azure SDK's
+    for ``azure``): dcpstore retries each request itself, and retries in three layers
+    would multiply the requests.
+
+    Returns:
+        The new config, and what the profile itself had set that was overridden (empty
+        when it set nothing, or one attempt already).
+    """
     merged = copy.deepcopy(config)
+    overridden: list[str] = []
     entry = merged.get("profiles", {}).get(profile)
-    if isinstance(entry, dict):
-        retry = entry.get("retry")
-        entry["retry"] = {**(retry if isinstance(retry, dict) else {}), "attempts": 1}
-        provider = entry.get("storage_provider")
-        if isinstance(provider, dict) and provider.get("type") in _BOTOCORE_PROVIDERS:
-            options = provider.setdefault("options", {})
-            if isinstance(options, dict):
-                options["retries"] = {"total_max_attempts": 1}
-    return merged
+    if not isinstance(entry, dict):
+        return merged, overridden
+    retry = entry.get("retry")
+    if isinstance(retry, dict) and retry.get("attempts", 1) != 1:
+        overridden.append(f"retry attempts {retry['attempts']}")
+    entry["retry"] = {**(retry if isinstance(retry, dict) else {}), "attempts": 1}
+    provider = entry.get("storage_provider")
+    if not isinstance(provider, dict):
+        return merged, overridden
+    options = provider.setdefault("options", {})
+    if not isinstance(options, dict):
+        return merged, overridden
+    kind = provider.get("type")
+    if kind in _BOTOCORE_PROVIDERS:
+        if options.get("retries", _ONE_BOTOCORE_ATTEMPT) != _ONE_BOTOCORE_ATTEMPT:
+            overridden.append(f"retries {options['retries']}")
+        options["retries"] = dict(_ONE_BOTOCORE_ATTEMPT)
+    elif kind == "azure":
+        overridden += [f"{name} {options[name]}" for name in _AZURE_RETRY_OPTIONS
+                       if options.get(name, 0) != 0]
+        for name in _AZURE_RETRY_OPTIONS[1:]:
+            options.pop(name, None)
+        options["retry_total"] = 0  # the first attempt only
+    return merged, overridden
 
 
 _CLIENTS: dict[tuple[int, str, str], Any] = {}
@@ -269,8 +300,9 @@ def _client_for(config: dict[str, Any], profile: str) -> Any:
     from multistorageclient import StorageClient, StorageClientConfig
     from multistorageclient.config import RESERVED_POSIX_PROFILE_NAME
 
+    overridden: list[str] = []
     if profile != RESERVED_POSIX_PROFILE_NAME:  # MSC refuses to change that one
-        config = _one_attempt(config, profile)
+        config, overridden = _one_attempt(config, profile)
     key = (os.getpid(), json.dumps(config, sort_keys=True, default=str), profile)
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(key)
@@ -283,6 +315,12 @@ def _client_for(config: dict[str, Any], profile: str) -> Any:
                 raise MSCConfigError(f"MSC profile {profile!r} is invalid: {exc}") from exc
             client = StorageClient(cfg)
             _CLIENTS[key] = client
+            if overridden:
+                logger.info(
+                    "MSC profile %r sets %s: dcpstore retries every request itself (its "
+                    "max_attempts option, DCPSTORE_MSC_MAX_ATTEMPTS), so the profile's "
+                    "retries are set to one attempt; raise max_attempts to retry more",
+                    profile, ", ".join(overridden))
         return client
 
 
