@@ -446,7 +446,7 @@ def run_world(mix: Mix, world: int, *, retained: int = RETAINED) -> dict[str, An
     if publish is not None:  # what the save of the newest step left behind
         publish(retained, save_id)
     for name, call in (("latest", ckpt.latest), ("steps", ckpt.steps),
-                       ("retention", ckpt._retain)):
+                       ("retention", lambda: ckpt._retain(retained))):
         before = _requests()
         value, seconds = _timed(call)
         row[f"{name}_s"] = seconds

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from stores import memory_scheme
+from stores import Store, build_store, memory_scheme
 
 import dcpstore
 from dcpstore.dcp import layout
 from dcpstore.storage.local import LocalBackend
 from dcpstore.testing import MemoryBackend
+from dcpstore.tools.ops import remove_checkpoint
 from dcpstore.training.latest import POINTER_KEY, pointer_holds, read_pointer, step_dir
 
 BUCKET = "latest-pointer"
@@ -58,9 +59,11 @@ def test_latest_reads_the_pointer_not_every_object() -> None:
     ckpt.close()
 
 
-def test_steady_save_requests_do_not_depend_on_retained_steps() -> None:
-    """Retention after a save lists step directories once; no HEAD for steps this
-    process saw committed, no listing of their objects."""
+def test_steady_save_requests_do_not_grow_with_the_saves() -> None:
+    """Retention after a save lists step directories once and confirms each step it
+    counts or deletes (one HEAD of its ``.metadata``, not one listing of its objects),
+    except the step the save just committed: ``keep_last`` HEADs, however many steps
+    were saved before."""
     uri = f"memory://{BUCKET}/{uuid.uuid4().hex[:8]}"
     ckpt = dcpstore.Checkpointer(uri, keep_last=4)
     counts = []
@@ -73,7 +76,7 @@ def test_steady_save_requests_do_not_depend_on_retained_steps() -> None:
     assert counts[4] == counts[5] == counts[6]
     last = counts[6]
     assert last["put"] == 3  # manifest, .metadata, the latest pointer
-    assert last["head"] == 0  # no existence check per retained step
+    assert last["head"] == 4  # the 3 older kept steps and the deleted one, confirmed
     assert last["list"] == 2  # the step directories (delimiter), the deleted step's objects
     ckpt.close()
 
@@ -197,3 +200,42 @@ def test_latest_during_concurrent_retention(tmp_path: Path) -> None:
     assert [int(s) for s in writer.steps()] == [7, 8]
     assert writer.latest() == 8
     writer.close()
+
+
+@pytest.mark.parametrize("store_name", ["local", "seaweedfs"])
+def test_steps_and_retention_confirm_steps_deleted_from_outside(
+        store_name: str, request: pytest.FixtureRequest, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps this process saw committed and that were deleted since by someone else
+    (``dcpstore rm``; another job's deletion that got as far as ``.metadata``) are not
+    listed, and retention does not count them: ``keep_last`` real steps stay. Local disk
+    and SeaweedFS keep a directory whose objects were deleted."""
+    store: Store = build_store(store_name, request, tmp_path, monkeypatch)
+    uri = store.uri("run")
+    ckpt = dcpstore.Checkpointer(uri, keep_last=3, **store.options)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, _state(step))
+    assert [int(s) for s in ckpt.steps()] == [2, 3, 4]
+
+    remove_checkpoint(ckpt.step_uri(3), **store.options)  # `dcpstore rm`, another process
+    outside = store.backend(uri)
+    try:  # another job deleting step 4 got as far as its .metadata (deleted first)
+        outside.delete([f"{step_dir(4)}/{layout.METADATA_KEY}"])
+    finally:
+        outside.close()
+    assert [int(s) for s in ckpt.steps()] == [2]
+    assert ckpt.latest() == 2
+
+    # retention counts real steps only: nothing goes until 3 are committed
+    ckpt.save(5, _state(5))
+    assert [int(s) for s in ckpt.steps()] == [2, 5]
+    ckpt.save(6, _state(6))
+    assert [int(s) for s in ckpt.steps()] == [2, 5, 6]
+    ckpt.save(7, _state(7))
+    assert [int(s) for s in ckpt.steps()] == [5, 6, 7]
+    fresh = dcpstore.Checkpointer(uri, **store.options)
+    assert [int(s) for s in fresh.steps()] == [5, 6, 7]
+    out = _state(0)
+    assert fresh.load(out, step=5) == 5 and torch.equal(out["w"], _state(5)["w"])
+    fresh.close()
+    ckpt.close()

@@ -33,18 +33,20 @@ def test_quick_model_counts() -> None:
         assert row["cached_plan_s"] is not None  # plan caching is supported
         # per save: every rank's upload (create, one part, complete); the coordinator's
         # overwrite check, manifest, .metadata, the latest pointer, one listing of the
-        # step directories for retention -- nothing per step, nothing else per rank
-        assert row["save_requests"] == {"PUT": n + 3, "POST": 2 * n, "GET": 1, "HEAD": 0,
-                                        "LIST": 1, "DELETE": 0}
+        # step directories for retention and a HEAD of each older step it counts (it
+        # confirms what it keeps) -- nothing else per rank
+        assert row["save_requests"] == {"PUT": n + 3, "POST": 2 * n, "GET": 1,
+                                        "HEAD": RETAINED - 1, "LIST": 1, "DELETE": 0}
         # latest(): the pointer, the tail of its .metadata, the directories after it
         assert row["latest_requests"] == {"PUT": 0, "POST": 0, "GET": 2, "HEAD": 0,
                                           "LIST": 1, "DELETE": 0}
         assert row["listed_keys_per_latest"] == 0
-        # steps() in a new process: one listing, one HEAD per step not yet seen committed
+        # steps(): one listing, one HEAD per step (each is confirmed, none trusted)
         assert row["steps_requests"]["LIST"] == 1
-        assert row["steps_requests"]["HEAD"] == RETAINED - 1
-        assert row["retention_requests"] == {"PUT": 0, "POST": 0, "GET": 0, "HEAD": 0,
-                                             "LIST": 1, "DELETE": 0}
+        assert row["steps_requests"]["HEAD"] == RETAINED
+        # retention after a save: the step just committed is not asked about again
+        assert row["retention_requests"] == {"PUT": 0, "POST": 0, "GET": 0,
+                                             "HEAD": RETAINED - 1, "LIST": 1, "DELETE": 0}
     table = scale.to_markdown(doc)
     assert table.count("\n") == len(table.strip().splitlines())
     assert "| | 4 ranks | 8 ranks |" in table and "requests per save" in table

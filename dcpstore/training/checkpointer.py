@@ -5,17 +5,26 @@ staging, and a local tier.
 
     ckpt = dcpstore.Checkpointer("s3://bucket/run7", keep_last=3, async_mode="process",
                                  local_tier="/nvme/ckpt/run7")
-    start = ckpt.load({"app": AppState(model, optim)}) if ckpt.latest() is not None else 0
+    try:  # every rank gets the same answer: the step, or CheckpointNotFoundError
+        start = ckpt.load({"app": AppState(model, optim)})
+    except dcpstore.errors.CheckpointNotFoundError:
+        start = 0
     for step in range(start + 1, steps + 1):
         train_step()
         if step % 100 == 0:
             ckpt.save(step, {"app": AppState(model, optim)})
     ckpt.close()
 
-Every method is collective when ``torch.distributed`` is initialized: call it on every
-rank. Only the coordinator lists the store; the answer is broadcast. After each commit at
-the root the coordinator writes a small latest pointer (:mod:`dcpstore.training.latest`), so
-``latest()`` costs a few requests however many ranks and steps there are.
+With ``torch.distributed`` initialized, :meth:`~Checkpointer.save`,
+:meth:`~Checkpointer.wait`, :meth:`~Checkpointer.load`, :meth:`~Checkpointer.delete` and
+:meth:`~Checkpointer.close` are collective: call them on every rank. The queries
+(:meth:`~Checkpointer.steps`, :meth:`~Checkpointer.latest`, :meth:`~Checkpointer.step_uri`,
+:meth:`~Checkpointer.local_step_path`) are not: any rank, or any subset of ranks, may call
+them, and each calling rank reads the store itself. Inside the collective calls, a store
+request that only the coordinator makes shares its outcome (a failure too) with every
+rank. After each commit at the root the coordinator writes a small latest pointer
+(:mod:`dcpstore.training.latest`), so ``latest()`` costs a few requests however many
+steps there are.
 
 :class:`Checkpointer` puts together the parts that do the work, one module each:
 :mod:`~dcpstore.training.config` (its settings, checked), :mod:`~dcpstore.training.root`
@@ -246,20 +255,31 @@ class Checkpointer:
         """Committed steps, oldest first, each a :class:`~dcpstore.Step` (an ``int``
         whose ``where`` says ``"local"``, ``"remote"`` or ``"both"``).
 
-        A step counts as local only when every rank's local tier holds it. The root is
-        listed once, by the coordinator (one delimiter listing of the step directories
-        and one HEAD per directory it has not seen committed); the answer is shared
-        with every rank.
+        Not collective: call it on any rank or ranks (to log, or to decide on one rank);
+        the calling rank reads the root itself, with one delimiter listing of the step
+        directories and one HEAD of each one's ``.metadata`` (concurrent). Every step is
+        confirmed there, so a step deleted by someone else (``dcpstore rm``, another job)
+        is not listed, even one this process committed. A step counts as local when
+        the calling rank's local tier holds it committed (with node-local tiers on
+        several nodes, ranks may see different local steps; :meth:`load` decides
+        collectively).
         """
         return self._listing.steps()
 
     def latest(self) -> Step | None:
-        """The newest step committed anywhere every rank can reach, or ``None``.
+        """The newest committed step, or ``None``.
 
-        At the root the coordinator reads the latest pointer, checks it against that
-        step's ``.metadata`` and looks for newer step directories in one delimiter
-        listing (a pointer update lost in a crash is noticed); without a usable pointer
-        it falls back to the listing. Never an uncommitted step.
+        Not collective: call it on any rank or ranks; the calling rank reads the root
+        itself. It reads the latest pointer, checks it against that step's
+        ``.metadata`` and looks for newer step directories in one delimiter listing (a
+        pointer update lost in a crash is noticed); without a usable pointer it falls
+        back to the listing. Never an uncommitted step. With a local tier, a step
+        committed in the calling rank's local tier counts too.
+
+        To decide on every rank whether to resume, let :meth:`load` answer (the step,
+        or :class:`~dcpstore.errors.CheckpointNotFoundError` on every rank alike): two
+        ranks' ``latest()`` can differ while another job commits, or with node-local
+        tiers.
         """
         return self._listing.latest()
 
@@ -297,7 +317,8 @@ class Checkpointer:
         self._settle(keep_last_drain=False)
 
     def load(self, state: dict[str, Any], step: int | None = None, **options: Any) -> int:
-        """Load ``step`` (default: the newest committed one) into ``state``; return the step.
+        """Load ``step`` (default: the newest committed one, the same on every rank) into
+        ``state``; return the step.
 
         Reads from the local tier when every rank holds a committed, whole copy of the
         step there, else from the root (all ranks agree on the source). A local copy is
@@ -314,7 +335,8 @@ class Checkpointer:
         return self._loader.load(state, step, options)
 
     def delete(self, step: int) -> None:
-        """Delete one step at the root and in the local tier (collective).
+        """Delete one step at the root and in the local tier (collective: every rank
+        calls it).
 
         The step stops being a checkpoint at once (its ``.metadata`` goes first); data
         files that other steps reference stay until no retained step needs them.
@@ -358,5 +380,5 @@ class Checkpointer:
                         metadata_size: int | None = None) -> None:
         self._root.publish_latest(step, save_id, metadata_size)
 
-    def _retain(self) -> None:
-        self._retention.retain()
+    def _retain(self, committed: int | None = None) -> None:
+        self._retention.retain(committed=committed)

@@ -168,7 +168,7 @@ class Drainer:
                     if outcome is None:
                         logger.info("step %d drained to %s", step, uri)
                         self.pending.finished(step)
-                        self.retention.retain(group)
+                        self.retention.retain(group, step)
                         self.retention.retain_local(group)
                         return
                     failures = [outcome]

@@ -29,13 +29,14 @@ import json
 import logging
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dcpstore.dcp import layout
 from dcpstore.storage.backend import Backend, ReadRange
 
-__all__ = ["POINTER_KEY", "Pointer", "committed_steps", "find_latest", "read_pointer",
-           "step_dir", "step_dirs", "write_pointer"]
+__all__ = ["POINTER_KEY", "Pointer", "committed_steps", "confirm_committed", "find_latest",
+           "read_pointer", "step_dir", "step_dirs", "write_pointer"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ _FORMAT = 1
 #: pickled last, after the storage entries).
 _TAIL = 4096
 _STEP_RE = re.compile(r"^step-(\d+)$")
+#: Most HEADs of step directories in flight at once (:func:`confirm_committed`).
+_HEADS = 16
 
 
 def step_dir(step: int) -> str:
@@ -151,6 +154,34 @@ def committed_steps(root: Backend, known: Iterable[int] = (),
                     names: Iterable[str] | None = None) -> list[int]:
     """Steps under ``root`` that have a ``.metadata``, oldest first: one delimiter
     listing of the step directories (or ``names``, listed already), then one HEAD per
-    directory not in ``known`` (steps this process already saw committed)."""
-    trusted = set(known)
-    return [s for s in step_dirs(root, names=names) if s in trusted or is_committed(root, s)]
+    directory, concurrent, except for the steps in ``known``.
+
+    Args:
+        root: The run root.
+        known: Steps the caller committed itself a moment ago (the save that triggered
+            a retention): not checked again. Every other step is checked, those this
+            process saw committed earlier too: one deleted since by someone else
+            (``dcpstore rm``, another job) is not counted, though its directory may
+            still be listed (a store that keeps directories, as SeaweedFS's filer; a
+            deletion that stopped after ``.metadata``; files kept for other steps).
+        names: The directories under ``root``, listed already.
+    """
+    dirs = step_dirs(root, names=names)
+    return [s for s, ok in zip(dirs, confirm_committed(root, dirs, known), strict=True) if ok]
+
+
+def confirm_committed(root: Backend, steps: list[int], trusted: Iterable[int] = ()
+                      ) -> list[bool]:
+    """Whether each of ``steps`` is committed under ``root`` (one HEAD of its
+    ``.metadata`` each, up to :data:`_HEADS` at once; the steps in ``trusted`` without
+    one), in the order given."""
+    trusted = set(trusted)
+    ask = [s for s in steps if s not in trusted]
+    if len(ask) <= 1:
+        found = {s: is_committed(root, s) for s in ask}
+    else:
+        with ThreadPoolExecutor(min(_HEADS, len(ask)),
+                                thread_name_prefix="dcpstore-head") as pool:
+            found = dict(zip(ask, pool.map(lambda s: is_committed(root, s), ask),
+                             strict=True))
+    return [s in trusted or found[s] for s in steps]

@@ -48,7 +48,7 @@ class Loader:
             raise ValueError(f"step must be >= 0, got {step}")
         if self._config.local_tier is None:
             if step is None:
-                at_root = self._listing.latest()
+                at_root = self._listing.agreed_latest()  # every rank loads the same
                 if at_root is None:
                     raise self._not_found()
                 return self._load_remote(state, int(at_root), started, options)

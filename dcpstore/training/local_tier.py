@@ -63,7 +63,9 @@ class Step(int):
     Compares and hashes as the plain ``int``.
 
     Attributes:
-        local: Committed in the local tier (on every rank's local directory).
+        local: Committed in the local tier (as the rank that listed it sees it there;
+            :meth:`~dcpstore.Checkpointer.load` loads locally only when every rank holds
+            the step).
         remote: Committed at the root URI.
     """
 

@@ -2,7 +2,8 @@
 there is a local tier), the steps committed there, and the latest pointer that the
 coordinator writes after each commit (:mod:`dcpstore.training.latest`).
 
-The step queries here run on the coordinator; the Checkpointer shares their answers.
+The step queries here run on whichever rank asks: each confirms what it returns against
+the store (no step is trusted because this process once saw it committed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dcpstore.training.config import CheckpointerConfig
 from dcpstore.training.latest import (
     Pointer,
     committed_steps,
+    confirm_committed,
     find_latest,
     step_dir,
     write_pointer,
@@ -43,8 +45,6 @@ class Root:
         self._config = config
         self._resolved: tuple[Resolved, Backend] | None = None
         self._resolve_lock = threading.Lock()
-        # steps this process saw committed here (no HEAD needed to list them)
-        self._known: set[int] = set()
         self._pointer_step = -1  # the step of the last latest pointer written here
         self._pointer_lock = threading.Lock()  # a drain and a save may both publish
         if config.local_tier is None:
@@ -87,19 +87,24 @@ class Root:
         """What the other ranks raise when the coordinator's request to the root fails."""
         return f"{self._config.root_uri}: the coordinator's request to the store failed"
 
-    def committed(self, names: Iterable[str] | None = None) -> list[int]:
-        """Steps committed at the root, oldest first (``names``: the step directories,
-        listed already)."""
-        found = committed_steps(self.backend, self._known, names)
-        self._known = set(found)
-        return found
+    def committed(self, names: Iterable[str] | None = None,
+                  known: Iterable[int] = ()) -> list[int]:
+        """Steps committed at the root, oldest first, each confirmed by a HEAD of its
+        ``.metadata`` (see :func:`~dcpstore.training.latest.committed_steps`).
+
+        Args:
+            names: The directories under the root, listed already.
+            known: Steps the caller committed a moment ago (not checked again).
+        """
+        return committed_steps(self.backend, known, names)
+
+    def confirm(self, steps: list[int]) -> list[bool]:
+        """Whether each of ``steps`` is committed at the root (one HEAD each)."""
+        return confirm_committed(self.backend, steps)
 
     def newest(self) -> int | None:
         """The newest step committed at the root (the latest pointer, checked)."""
-        found = find_latest(self.backend)
-        if found is not None:
-            self._known.add(found)
-        return found
+        return find_latest(self.backend)
 
     def has(self, step: int) -> bool:
         """Whether ``step`` is committed at the root (one existence check)."""
@@ -109,10 +114,6 @@ class Root:
         finally:
             ckpt.close()
 
-    def forget(self, steps: Iterable[int]) -> None:
-        """Stop counting ``steps`` as committed (they are being deleted)."""
-        self._known.difference_update(steps)
-
     def publish_latest(self, step: int, save_id: str | None,
                        metadata_size: int | None = None) -> None:
         """Coordinator, after ``step`` committed at the root: point latest at it.
@@ -120,7 +121,6 @@ class Root:
         A failure is logged, not raised: the step is committed, and ``latest()`` finds
         it by listing when the pointer lags.
         """
-        self._known.add(step)
         try:
             with self._pointer_lock:
                 if step < self._pointer_step:

@@ -206,7 +206,7 @@ class Saver:
             raise self._save_error(step, failed, self._config.step_uri(step)) from failed.error
         if writer.is_coordinator:
             self._root.publish_latest(step, writer.save_id, writer.commit_size)
-        self._retention.retain(group)
+        self._retention.retain(group, step)
         return "remote"
 
     def _dcp_save(self, step: int, state: dict[str, Any], writer: Writer, group: Any) -> None:

@@ -1,8 +1,12 @@
 """The step listing: which steps are committed, and where (the local tier, the root or
-both), agreed by every rank.
+both).
 
-The root is asked once, by the coordinator, and the answer is broadcast; a local step
-counts only when every rank's local tier holds it.
+:meth:`StepListing.steps` and :meth:`StepListing.latest` are not collective: the rank
+that calls them reads the root (and its own view of the local tier) itself, so a user may
+call them on any subset of ranks. What every rank must agree on (the step a
+:meth:`~dcpstore.Checkpointer.load` reads) comes from the collective
+:meth:`StepListing.agreed_latest` and :meth:`StepListing.local_common`, which only
+collective calls use.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ __all__ = ["StepListing"]
 
 
 class StepListing:
-    """Lists a run's committed steps (every method is collective).
+    """Lists a run's committed steps.
 
     Args:
         context: The Checkpointer's settings, root and collectives.
@@ -28,34 +32,36 @@ class StepListing:
             context.config, context.root, context.collectives)
 
     def steps(self) -> list[Step]:
-        """Committed steps, oldest first (see :meth:`Checkpointer.steps`)."""
-        remote: list[int] = self._collectives.on_coordinator(
-            self._root.committed, self._root.failure)
+        """Committed steps, oldest first (see :meth:`Checkpointer.steps`); this rank
+        reads the store itself (not collective)."""
+        remote = self._root.committed()
         if self._config.local_tier is None:
             return [Step(s, local=False, remote=True) for s in remote]
-        local = self.local_common()
+        local = set(local_committed_steps(self._config.local_tier))
         remote_set = set(remote)
         return [Step(s, local=s in local, remote=s in remote_set)
                 for s in sorted(local | remote_set)]
 
     def latest(self) -> Step | None:
-        """The newest step committed anywhere every rank can reach, or ``None`` (see
-        :meth:`Checkpointer.latest`)."""
+        """The newest committed step (see :meth:`Checkpointer.latest`); this rank reads
+        the store itself (not collective)."""
+        newest_remote = self._root.newest()
+        local = (set() if self._config.local_tier is None
+                 else set(local_committed_steps(self._config.local_tier)))
+        return _newest(newest_remote, local)
+
+    def agreed_latest(self) -> Step | None:
+        """:meth:`latest`, the same on every rank (collective): the coordinator reads the
+        root and shares the answer (or its failure); a local step counts only when every
+        rank's local tier holds it."""
         newest_remote: int | None = self._collectives.on_coordinator(
             self._root.newest, self._root.failure)
-        if self._config.local_tier is None:
-            return None if newest_remote is None else Step(newest_remote, local=False,
-                                                           remote=True)
-        local = self.local_common()
-        candidates = local | ({newest_remote} if newest_remote is not None else set())
-        if not candidates:
-            return None
-        newest = max(candidates)
-        return Step(newest, local=newest in local, remote=newest == newest_remote)
+        local = set() if self._config.local_tier is None else self.local_common()
+        return _newest(newest_remote, local)
 
     def local_common(self, only: int | None = None) -> set[int]:
         """Steps committed in every rank's local tier; with ``only``, that step alone
-        (its ``.metadata`` checked, no listing)."""
+        (its ``.metadata`` checked, no listing). Collective."""
         tier = self._config.local_tier
         assert tier is not None
         if only is None:
@@ -65,3 +71,12 @@ class StepListing:
             assert path is not None
             mine = {only} if os.path.isfile(os.path.join(path, layout.METADATA_KEY)) else set()
         return set.intersection(*self._collectives.all_gather(mine))
+
+
+def _newest(newest_remote: int | None, local: set[int]) -> Step | None:
+    """The newest of the root's newest step and the local ones, or ``None``."""
+    candidates = local | ({newest_remote} if newest_remote is not None else set())
+    if not candidates:
+        return None
+    newest = max(candidates)
+    return Step(newest, local=newest in local, remote=newest == newest_remote)

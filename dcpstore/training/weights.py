@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -36,6 +35,7 @@ from dcpstore.dcp.reader import Reader
 from dcpstore.errors import CheckpointMismatchError, DcpstoreError
 from dcpstore.storage.resolve import open_backend
 from dcpstore.storage.uri import parse_uri
+from dcpstore.training.collectives import Collectives
 
 __all__ = ["export", "load_model_weights", "read_metadata"]
 
@@ -125,21 +125,14 @@ def load_model_weights(model: nn.Module, uri: str, *, strict: bool = True,
 
 
 def _saved_keys(reader: Reader) -> dict[str, None]:
-    """The checkpoint's keys, read by the coordinator alone and shared (collective)."""
-    found: dict[str, None] | BaseException | None = None
-    if not is_distributed() or dist.get_rank() == 0:
-        try:
-            found = dict.fromkeys(reader.read_metadata().state_dict_metadata)
-        except Exception as exc:  # every rank raises it, none waits for the broadcast
-            found = exc
-    if is_distributed():
-        box = [found]
-        dist.broadcast_object_list(box, src=0)
-        found = box[0]
-    if isinstance(found, BaseException):
-        raise found
-    assert found is not None
-    return found
+    """The checkpoint's keys, read by the coordinator alone and shared (collective).
+
+    A failure reaches every rank as its kind of error (sent encoded, so an error that
+    does not pickle does too): none waits for the coordinator's answer.
+    """
+    return Collectives().on_coordinator(
+        lambda: dict.fromkeys(reader.read_metadata().state_dict_metadata),
+        f"reading the keys of {reader.backend.uri} on the coordinator failed")
 
 
 def _tensor_keys(metadata: Metadata) -> list[tuple[str, TensorStorageMetadata]]:
