@@ -69,16 +69,8 @@ from dcpstore.integrations.store_files import (
     open_file,
 )
 
-__all__ = [
-    "SUPPORTED_AREAL",
-    "LocalFilesOnlyError",
-    "UnsupportedVersionError",
-    "check_areal",
-    "disable",
-    "enable",
-    "enabled",
-    "is_enabled",
-]
+__all__ = ["SUPPORTED_AREAL", "LocalFilesOnlyError", "UnsupportedVersionError", "check_areal",
+           "disable", "enable", "enabled", "is_enabled"]
 
 logger = logging.getLogger(__name__)
 

@@ -44,15 +44,8 @@ from pathlib import PurePath
 from typing import Any
 
 from dcpstore.errors import DcpstoreError
+from dcpstore.integrations import store_files as files
 from dcpstore.integrations.dcp_routing import check_uri
-from dcpstore.integrations.store_files import (
-    backend,
-    is_object,
-    is_store_uri,
-    keys_under,
-    open_file,
-    split,
-)
 
 __all__ = ["DcpstoreFeature", "MegatronUnsupportedError", "routes"]
 
@@ -91,7 +84,7 @@ def routes(path: Any) -> bool:
         MangledURIError: ``path`` is a URI that lost a slash.
         BackendNotFoundError: ``path`` is a URI whose scheme no installed backend serves.
     """
-    return isinstance(path, str | os.PathLike) and is_store_uri(_text(path))
+    return isinstance(path, str | os.PathLike) and files.is_store_uri(_text(path))
 
 
 # -- the small files: maybe_msc.{Path, open, os, torch} for URIs ----------------------------
@@ -99,8 +92,8 @@ def routes(path: Any) -> bool:
 
 def _exists(uri: str) -> bool:
     """An object at ``uri``, or a "directory" (any object below it)."""
-    parent, name = split(uri)
-    with backend(parent) as store:
+    parent, name = files.split(uri)
+    with files.backend(parent) as store:
         return bool(store.exists(name) or store.list(f"{name}/"))
 
 
@@ -126,17 +119,17 @@ class _StorePath:
         return self._uri.rpartition("/")[2]
 
     def iterdir(self) -> Iterator[_StorePath]:
-        names = sorted({key.partition("/")[0] for key in keys_under(self._uri)})
+        names = sorted({key.partition("/")[0] for key in files.keys_under(self._uri)})
         return iter([self / name for name in names])
 
     def exists(self) -> bool:
         return _exists(self._uri)
 
     def is_dir(self) -> bool:
-        return bool(keys_under(self._uri))
+        return bool(files.keys_under(self._uri))
 
     def is_file(self) -> bool:
-        return is_object(self._uri)
+        return files.is_object(self._uri)
 
     def mkdir(self, *args: Any, **kwargs: Any) -> None:
         """Object stores have no directories: nothing to make."""
@@ -150,7 +143,9 @@ class _OsPath:
         return _exists(_text(path)) if routes(path) else bool(self._original.exists(path))
 
     def isdir(self, path: Any) -> bool:
-        return bool(keys_under(_text(path))) if routes(path) else bool(self._original.isdir(path))
+        if routes(path):
+            return bool(files.keys_under(_text(path)))
+        return bool(self._original.isdir(path))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._original, name)
@@ -179,13 +174,13 @@ class _Torch:
             return
         buffer = io.BytesIO()
         self._original.save(obj, buffer, *args, **kwargs)
-        with open_file(_text(path), "wb") as f:
+        with files.open_file(_text(path), "wb") as f:
             f.write(buffer.getvalue())
 
     def load(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         if not routes(path):
             return self._original.load(path, *args, **kwargs)
-        return self._original.load(open_file(_text(path), "rb"), *args, **kwargs)
+        return self._original.load(files.open_file(_text(path), "rb"), *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._original, name)
@@ -199,7 +194,7 @@ def _routed_getattr(original: Any) -> Any:
         if name == "open":
             def open_(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
                 if routes(path):
-                    return open_file(_text(path), mode, *args, **kwargs)
+                    return files.open_file(_text(path), mode, *args, **kwargs)
                 return fallback(path, mode, *args, **kwargs)
             return open_
         if name == "Path":
@@ -220,7 +215,7 @@ def _routed_getattr(original: Any) -> Any:
 def _routed_isdir(original: Any) -> Any:
     def path_isdir(self: Any, path: Any, strict: bool = True) -> bool:
         if routes(path):
-            return bool(keys_under(_text(path)))
+            return bool(files.keys_under(_text(path)))
         return bool(original(self, path, strict=strict))
 
     return path_isdir

@@ -249,15 +249,14 @@ def _optimizer_model(named: dict[str, torch.nn.Module],
                 next(iter(named.values()), None))
 
 
+# the signatures are PhysicsNeMo's own (same names, order and defaults)
+_Models = torch.nn.Module | list[torch.nn.Module] | None
+
+
 def save_checkpoint(
-    path: Path | str,
-    models: torch.nn.Module | list[torch.nn.Module] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    epoch: int | None = None,
-    metadata: dict[str, Any] | None = None,
-    optimizer_model: torch.nn.Module | None = None,
+    path: Path | str, models: _Models = None, optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None, scaler: Any = None, epoch: int | None = None,
+    metadata: dict[str, Any] | None = None, optimizer_model: torch.nn.Module | None = None,
 ) -> None:
     """PhysicsNeMo's ``save_checkpoint``, as one sharded DCP checkpoint through dcpstore.
 
@@ -338,14 +337,9 @@ def _saved_keys(uri: str) -> list[str]:
 
 
 def load_checkpoint(
-    path: Path | str,
-    models: torch.nn.Module | list[torch.nn.Module] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    epoch: int | None = None,
-    metadata_dict: dict[str, Any] | None = None,
-    device: str | torch.device = "cpu",
+    path: Path | str, models: _Models = None, optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None, scaler: Any = None, epoch: int | None = None,
+    metadata_dict: dict[str, Any] | None = None, device: str | torch.device = "cpu",
     optimizer_model: torch.nn.Module | None = None,
 ) -> int:
     """PhysicsNeMo's ``load_checkpoint`` from a checkpoint :func:`save_checkpoint` wrote,
