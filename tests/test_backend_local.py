@@ -375,3 +375,30 @@ def test_scheme_with_an_absolute_path_roots_a_path_based_store() -> None:
     for bad in ("mystore://", "mystore:///", "mystore:///a/../b"):
         with pytest.raises(dcpstore.errors.InvalidURIError):
             parse_uri(bad)
+
+
+def test_head_of_a_file_deleted_meanwhile_is_never_called_a_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A HEAD racing a delete (another process's retention) sees the file or finds it
+    missing; the file removed right after the stat must not come back as a directory."""
+    backend = LocalBackend(str(tmp_path))
+    backend.put("step-1/.metadata", b"m")
+    store = backend.store
+    real_stat = os.stat
+
+    deleted: list[str] = []
+
+    def stat_then_delete(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        result = real_stat(path, *args, **kwargs)
+        if str(path).endswith(".metadata") and not deleted:
+            deleted.append(str(path))
+            os.unlink(path)  # the concurrent delete lands between the stat and any re-check
+        return result
+
+    monkeypatch.setattr(local.os, "stat", stat_then_delete)
+    assert store.head("step-1/.metadata").size == 1
+    with pytest.raises(FileNotFoundError):
+        store.head("step-1/.metadata")
+    (tmp_path / "step-2").mkdir()
+    with pytest.raises(IsADirectoryError):
+        store.head("step-2")

@@ -22,6 +22,7 @@ import errno
 import functools
 import logging
 import os
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -278,7 +279,9 @@ class LocalStore(ObjectStore):
     def head(self, key: str) -> ObjectInfo:
         path = self._path(key)
         st = os.stat(path)
-        if not os.path.isfile(path):
+        # judged from the one stat: a second look (os.path.isfile) could see the file
+        # deleted meanwhile and call a vanished file a directory
+        if not stat.S_ISREG(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
