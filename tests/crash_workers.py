@@ -443,13 +443,14 @@ def install_fault_hooks() -> None:
             return _FailingUpload(upload, None)
         return upload
 
-    def faulty_put(self: Backend, key: str, data: bytes, *, atomic: bool = False) -> None:
+    def faulty_put(self: Backend, key: str, data: bytes, *, atomic: bool = False,
+                   **conditions: Any) -> None:
         kind = _put_kind(key)
         if kind == "manifest" and active("manifest-put"):
             raise InjectedFault(errno.EIO, "injected: manifest put failed")
         if kind == "metadata" and active("metadata-put"):
             raise PermissionError(errno.EACCES, "injected: .metadata put denied")
-        put(self, key, data, atomic=atomic)
+        put(self, key, data, atomic=atomic, **conditions)
         if kind == "metadata" and _ACTIVE_FAULT == AMBIGUOUS_FAULT and rank == 0:
             raise dcpstore.StoreTimeoutError("injected: .metadata put timed out (the store "
                                              "had applied it; the response was lost)")

@@ -111,12 +111,13 @@ def test_libc_sync_file_range_is_found_on_linux() -> None:
 
 class _Journal:
     """What a save asks of the disk, in order: write-back started (``kick``), ``fsync``
-    (of a file or a directory) and ``rename``, with paths relative to ``root``."""
+    (of a file or a directory), ``rename`` and ``link`` (a conditional put's
+    publication), with paths relative to ``root``."""
 
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.root = root
         self.events: list[tuple[Any, ...]] = []
-        real_fsync, real_replace = os.fsync, os.replace
+        real_fsync, real_replace, real_link = os.fsync, os.replace, os.link
 
         def kick(fd: int, offset: int, nbytes: int, flags: int) -> int:
             assert flags == 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
@@ -131,9 +132,14 @@ class _Journal:
             self.events.append(("rename", self._rel(src), self._rel(dst)))
             real_replace(src, dst, *args, **kwargs)
 
+        def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            self.events.append(("link", self._rel(src), self._rel(dst)))
+            real_link(src, dst, *args, **kwargs)
+
         monkeypatch.setattr(local, "_sync_file_range", lambda: kick)
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(os, "link", link)
 
     def _rel(self, path: Any) -> str:
         return os.path.relpath(os.fspath(path), self.root)
@@ -157,8 +163,8 @@ def test_save_starts_writeback_and_syncs_data_before_the_commit_point(
 ) -> None:
     """Data files: write-back started every ``writeback`` bytes as they are written, then
     ``fsync``; only then the manifest and the temporary ``.metadata`` are written and
-    ``fsync``-ed, renamed over ``.metadata`` (the commit point) and the directory
-    ``fsync``-ed."""
+    ``fsync``-ed, linked as ``.metadata`` (the commit point: a hard link fails where
+    another save committed first) and the directory ``fsync``-ed."""
     uri = tmp_path / "ckpt"
     journal = _Journal(uri, monkeypatch)
     state = _big_state()
@@ -171,8 +177,10 @@ def test_save_starts_writeback_and_syncs_data_before_the_commit_point(
     assert kicks == [(i * MiB, MiB) for i in range(size // MiB)]
     assert journal.index(("kick", data, *kicks[-1])) < journal.index(("fsync", data))
     manifest = next(f for f in os.listdir(uri) if f.startswith(".dcpstore-"))
-    # every put is atomic: a temporary name, fsync, rename, fsync of the directory
-    put_manifest, put_metadata = [e for e in journal.events if e[0] == "rename"]
+    # every put is atomic: a temporary name, fsync, rename (.metadata: link), fsync of
+    # the directory
+    (put_manifest,) = [e for e in journal.events if e[0] == "rename"]
+    (put_metadata,) = [e for e in journal.events if e[0] == "link"]
     assert put_manifest[2] == manifest and put_metadata[2] == layout.METADATA_KEY
     order = [journal.index(("fsync", data)), journal.index(("fsync", put_manifest[1])),
              journal.index(put_manifest), journal.index(("fsync", put_metadata[1])),

@@ -851,7 +851,10 @@ def test_commit_that_landed_but_every_answer_was_lost(store: Store, readback: st
             error = exc
         _report("commit_landed", store.name, proxy, readback=readback,
                 raised=type(error).__name__)
-        assert proxy.stats.faults["truncate"] >= 3
+        # every attempt's answer was cut; with conditional writes the second attempt's
+        # condition fails (the first one landed), and that answer ends the retries
+        conditional = store.backend().conditional_writes
+        assert proxy.stats.faults["truncate"] >= (2 if conditional else 3)
         assert (error is None) == (readback == "works")
         proxy.plan = FaultPlan()
         loaded = _zeros_like(new)

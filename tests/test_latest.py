@@ -76,7 +76,10 @@ def test_steady_save_requests_do_not_grow_with_the_saves() -> None:
     assert counts[4] == counts[5] == counts[6]
     last = counts[6]
     assert last["put"] == 3  # manifest, .metadata, the latest pointer
-    assert last["head"] == 4  # the 3 older kept steps and the deleted one, confirmed
+    # the pointer's version (its compare-and-swap: a store with conditional writes),
+    # then the 3 older kept steps and the deleted one, confirmed
+    assert last["head"] == 5
+    assert last["get"] == 2  # the target check; the pointer (its compare-and-swap)
     assert last["list"] == 2  # the step directories (delimiter), the deleted step's objects
     ckpt.close()
 

@@ -428,3 +428,68 @@ def test_cli_subprocess_debug_output(moto_s3: S3Server, aws_env: dict[str, str])
     assert "Traceback" in output and "CheckpointNotFoundError" in output
     for name, value in aws_env.items():
         assert value not in output, f"{name} in the CLI's --debug output"
+
+
+# -- encryption keys (SSE-C, CSEK) ----------------------------------------------------------
+
+
+def _customer_key(tmp_path: Path, name: str) -> tuple[Path, dict[str, str]]:
+    """A 32-byte key in a file, and the forms of it that must never show."""
+    import base64
+
+    key = secrets.token_bytes(32)
+    path = tmp_path / name
+    path.write_bytes(key)
+    return path, {f"{name} base64": base64.b64encode(key).decode(),
+                  f"{name} hex": key.hex(), f"{name} repr": repr(key)[2:-1]}
+
+
+def test_s3_customer_key_never_leaks(seaweedfs_s3: S3Server, seen: Seen, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """SSE-C on SeaweedFS (which checks the key): saves, loads, a Checkpointer, loads with
+    no key and with a wrong one, a key from an environment variable, the CLI."""
+    isolate_env(monkeypatch)
+    for name, value in seaweedfs_s3.env().items():
+        monkeypatch.setenv(name, value)
+    path, planted = _customer_key(tmp_path, "sse-c key")
+    wrong_path, wrong = _customer_key(tmp_path, "wrong key")
+    run = f"s3://{S3_TEST_BUCKET}/secrets-ssec/{uuid.uuid4().hex[:8]}"
+    base: dict[str, Any] = {"endpoint_url": seaweedfs_s3.endpoint_url, "max_attempts": 2}
+    options = {**base, "sse_customer_key_file": str(path)}
+    _roundtrip(f"{run}/ckpt", options, seen, root=f"{run}/steps")
+    seen.error(lambda: dcpstore.load({"w": torch.zeros(64, 64)}, f"{run}/ckpt", **base),
+               PermissionError)
+    seen.error(lambda: dcpstore.load({"w": torch.zeros(64, 64)}, f"{run}/ckpt", **base,
+                                     sse_customer_key_file=str(wrong_path)), PermissionError)
+    monkeypatch.setenv("CKPT_SSE_KEY", planted["sse-c key base64"])
+    out = {"w": torch.zeros(64, 64)}
+    dcpstore.load(out, f"{run}/ckpt", **base, sse_customer_key_env="CKPT_SSE_KEY")
+    seen.show(dcpstore.open_backend(f"{run}/ckpt", **base, sse_customer_key_env="CKPT_SSE_KEY"))
+    assert _cli_debug(seen, capsys, "verify", f"{run}/ckpt", "-o",
+                      f"endpoint_url={seaweedfs_s3.endpoint_url}", "-o",
+                      f"sse_customer_key_file={path}") == 0
+    assert _cli_debug(seen, capsys, "verify", f"{run}/ckpt", "--json", "-o",
+                      f"endpoint_url={seaweedfs_s3.endpoint_url}", "-o",
+                      f"sse_customer_key_file={wrong_path}") == 1
+
+    logs = "\n".join(seen.logs.lines)
+    assert "x-amz-server-side-encryption-customer-key" in logs.lower()  # present, blanked
+    seen.assert_clean({**planted, **wrong})
+
+
+def test_gcs_customer_key_never_leaks(gcs_server: Any, seen: Seen, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    isolate_env(monkeypatch)
+    path, planted = _customer_key(tmp_path, "csek")
+    run = f"gs://{GCS_TEST_BUCKET}/secrets-csek/{uuid.uuid4().hex[:8]}"
+    options: dict[str, Any] = {"endpoint_url": gcs_server.endpoint_url, "token": "anon",
+                               "part_size": 256 * 1024, "encryption_key_file": str(path)}
+    _roundtrip(f"{run}/ckpt", options, seen, root=f"{run}/steps")
+    seen.error(lambda: dcpstore.load({"w": torch.zeros(1)}, f"{run}/none", **options),
+               dcpstore.CheckpointNotFoundError)
+    monkeypatch.setenv("DCPSTORE_GS_ENCRYPTION_KEY_FILE", str(path))
+    monkeypatch.setenv("DCPSTORE_GS_ENDPOINT_URL", gcs_server.endpoint_url)
+    assert _cli_debug(seen, capsys, "verify", f"{run}/ckpt", "--json") == 0
+    seen.assert_clean(planted)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -41,26 +42,120 @@ def _commit_landed(backend: Backend, sent: bytes | None) -> bool | None:
         return None
 
 
-def _check_target(backend: Backend, overwrite: bool) -> Metadata | None:
-    """Coordinator only: one existence check, before any rank writes. Returns the
-    ``.metadata`` of the checkpoint this save replaces (``None``: none, or unreadable)."""
+@dataclass(frozen=True)
+class Target:
+    """What a save found at its URI before any rank wrote.
+
+    Attributes:
+        previous: The ``.metadata`` this save replaces (``None``: none, or unreadable).
+        version: That ``.metadata``'s version, what the commit's ``if_match`` compares
+            (``None``: there was none, or the store has no conditional writes).
+    """
+
+    previous: Metadata | None = None
+    version: str | None = None
+
+
+def _check_target(backend: Backend, overwrite: bool) -> Target:
+    """Coordinator only: one existence check (a GET), before any rank writes.
+
+    Where a checkpoint is there and ``overwrite=True`` replaces it, on a store with
+    conditional writes: its version (a HEAD), then its ``.metadata`` again (a version
+    read before the bytes: if they changed in between, the commit's ``if_match``
+    fails and the commit reads the target again)."""
+    version = None
     try:
         raw = backend.get(layout.METADATA_KEY)
+        if not overwrite:
+            raise _exists_error(backend, during=False, raw=raw)
+        if backend.conditional_writes:
+            version = backend.stat(layout.METADATA_KEY).version
+            raw = backend.get(layout.METADATA_KEY)
     except FileNotFoundError:
-        return None
-    if not overwrite:
-        raise errors.CheckpointExistsError(
-            f"Checkpoint already exists at {backend.uri} and overwrite=False; pass "
-            "overwrite=True to replace it (atomically), or save to a new location"
-        )
+        return Target()
     try:
         previous = safe_loads(raw, source=f"{backend.uri}/.metadata")
-        return previous if isinstance(previous, Metadata) else None
+        return Target(previous if isinstance(previous, Metadata) else None, version)
     except Exception as exc:  # an unreadable old checkpoint must not block a new one
         logger.warning("existing .metadata at %s is unreadable (%s); it will be "
                        "replaced but its data files are left for `dcpstore gc`",
                        backend.uri, exc)
-        return None
+        return Target(None, version)
+
+
+def _exists_error(backend: Backend, *, during: bool,
+                  raw: bytes | None = None) -> errors.CheckpointExistsError:
+    """The error of a save with ``overwrite=False`` that finds a committed checkpoint
+    at its URI: before it wrote (``during=False``) or at its commit, which another save
+    won meanwhile (``during=True``). Names that other save."""
+    try:
+        if raw is None:
+            raw = backend.get(layout.METADATA_KEY)
+        other = layout.save_id_of_metadata(safe_loads(raw, source=f"{backend.uri}/.metadata"))
+        whose = f"save {other}" if other else "a save by another writer (no dcpstore save id)"
+    except Exception as exc:
+        whose = f"a save whose .metadata cannot be read now ({type(exc).__name__})"
+    if during:
+        return errors.CheckpointExistsError(
+            f"Checkpoint already exists at {backend.uri}: another job committed it "
+            f"({whose}) while this save was running, and overwrite=False. That "
+            "checkpoint is whole and this save's files were removed; save to a new "
+            "location, or pass overwrite=True to replace it")
+    return errors.CheckpointExistsError(
+        f"Checkpoint already exists at {backend.uri} ({whose}) and overwrite=False; "
+        "pass overwrite=True to replace it (atomically), or save to a new location")
+
+
+#: How many other commits an ``overwrite=True`` save replaces in turn before it gives
+#: up (each lost compare-and-swap means another job committed in between).
+_COMMIT_RACES = 8
+
+
+def _commit(backend: Backend, data: bytes, target: Target, *, overwrite: bool) -> Target:
+    """Put ``.metadata`` (the commit point) and return the target it replaced.
+
+    With conditional writes the PUT succeeds only over what the save found
+    (``if_absent``, or ``if_match`` its version), so of two saves racing to one URI
+    exactly one commits: with ``overwrite=False`` the other gets
+    :class:`~dcpstore.errors.CheckpointExistsError`; with ``overwrite=True`` it
+    replaces the commit that beat it, whole (the last commit wins), and learns which
+    files that commit made stale. Without, a HEAD just before the PUT narrows the
+    window (``docs/reliability.md`` says what then holds).
+    """
+    if not backend.conditional_writes:
+        if not overwrite and backend.exists(layout.METADATA_KEY):
+            raise _exists_error(backend, during=True)
+        backend.put(layout.METADATA_KEY, data, atomic=True)
+        return target
+    for _ in range(_COMMIT_RACES):
+        try:
+            if target.version is None:
+                backend.put(layout.METADATA_KEY, data, atomic=True, if_absent=True)
+            else:
+                backend.put(layout.METADATA_KEY, data, atomic=True, if_match=target.version)
+            return target
+        except errors.PreconditionFailedError:
+            landed = _commit_landed(backend, data)
+            if landed:  # a retry of this save's own PUT, whose first answer was lost
+                logger.warning("commit of %s: a retried .metadata request failed its "
+                               "condition, but the store holds this save's .metadata: "
+                               "committed", backend.uri)
+                return target
+            if landed is None:  # the caller keeps this save's files
+                raise errors.StoreUnavailableError(
+                    f"commit of {backend.uri}: a retried .metadata request failed its "
+                    "condition and .metadata cannot be read back, so whether this save "
+                    "committed cannot be told; its files are kept (`dcpstore verify` "
+                    "tells)") from None
+            if not overwrite:
+                raise _exists_error(backend, during=True) from None
+            logger.warning("another save committed %s while this one was running; "
+                           "replacing it (overwrite=True: the last commit wins)",
+                           backend.uri)
+            target = _check_target(backend, overwrite=True)
+    raise errors.StoreError(
+        f"could not commit {backend.uri}: {_COMMIT_RACES} other saves committed there "
+        "while this one tried; stop the other jobs writing this URI")
 
 
 def _delete_stale(backend: Backend, previous: Metadata | None, keep: set[str]) -> None:

@@ -86,6 +86,23 @@ def parse_metadata(raw: bytes, *, source: str, trusted: bool = False) -> Metadat
     return metadata
 
 
+def check_one_save(metadata: Any, manifest: Manifest, source: str) -> None:
+    """Refuse a ``.metadata`` that names a data file of another save than its own which
+    its manifest does not record: two saves of one step mixed (a race that a store
+    without conditional writes could not decide, or a file copied in by hand).
+    References to sibling steps, and files ``dcpstore cp`` copied in with their
+    manifest records, are not mixed."""
+    save_id = manifest.save_id
+    for path in {info.relative_path for info in (metadata.storage_data or {}).values()}:
+        other = None if is_reference(path) else layout.save_id_of(path)
+        if other is not None and other != save_id and path not in manifest.files:
+            raise IntegrityError(
+                f"{source} belongs to save {save_id} but names {path}, a data file of "
+                f"save {other}: two saves of this checkpoint were mixed (two jobs wrote "
+                "it at once on a store without conditional writes). Do not load it: "
+                "save it again, or load another checkpoint")
+
+
 def missing_metadata_error(backend: Backend) -> Exception:
     """Why ``backend`` holds no ``.metadata``: an incomplete save (data files without
     it), a missing bucket, or no checkpoint at all."""

@@ -479,6 +479,10 @@ class Reader(BoundToBackend, StorageReader):
     def _read_manifest(self, metadata: Metadata) -> Manifest | None:
         if not self.options.verify:
             return None
-        save_id = layout.save_id_of_metadata(metadata, source=f"{self.backend.uri}/.metadata")
-        return metadata_io.read_manifest(self.backend, save_id, required=True,
-                                         hint=" (pass verify=False to load it unverified)")
+        source = f"{self.backend.uri}/.metadata"
+        save_id = layout.save_id_of_metadata(metadata, source=source)
+        manifest = metadata_io.read_manifest(self.backend, save_id, required=True,
+                                             hint=" (pass verify=False to load it unverified)")
+        if manifest is not None:
+            metadata_io.check_one_save(metadata, manifest, source)
+        return manifest

@@ -39,7 +39,9 @@ from dcpstore.dcp import layout
 from dcpstore.dcp.bound import BoundToBackend
 from dcpstore.dcp.checksum import crc32c
 from dcpstore.dcp.commit import (
+    Target,
     _check_target,
+    _commit,
     _commit_landed,
     _delete_quietly,
     _delete_stale,
@@ -112,7 +114,7 @@ class Writer(BoundToBackend, StorageWriter):
         self.is_coordinator = True
         self.rank = 0
         self.save_id = layout.new_save_id()
-        self._previous: Metadata | None = None
+        self._target = Target()  # what the coordinator found at the URI
         # the .metadata this save sent, once its PUT was attempted (see discard)
         self._commit_bytes: bytes | None = None
         self._frozen = _frozen_keys(self.options.frozen)
@@ -138,7 +140,7 @@ class Writer(BoundToBackend, StorageWriter):
         """Start a new save, optionally at another location (same backend options)."""
         self._move_to(checkpoint_id)
         self.save_id = layout.new_save_id()
-        self._previous = None
+        self._target = Target()
         self._commit_bytes = None
         self._release_base()
 
@@ -178,7 +180,7 @@ class Writer(BoundToBackend, StorageWriter):
             summaries = _guard_input(plans)
             if summaries is not None:
                 check_global_plan(summaries)
-        self._previous = _check_target(self.backend, self.options.overwrite)
+        self._target = _check_target(self.backend, self.options.overwrite)
         self._release_base()
         if self.options.base:
             if not all(p.usable for p in plans):
@@ -272,7 +274,8 @@ class Writer(BoundToBackend, StorageWriter):
         try:
             self.backend.put(manifest_key, manifest.to_bytes())
             self._commit_bytes = metadata_bytes
-            self.backend.put(layout.METADATA_KEY, metadata_bytes, atomic=True)
+            replaced = _commit(self.backend, metadata_bytes, self._target,
+                               overwrite=self.options.overwrite)
         except BaseException as exc:
             # A PUT whose answer was lost may still have landed: then .metadata names
             # this save's files, and deleting them would destroy the checkpoint.
@@ -291,6 +294,7 @@ class Writer(BoundToBackend, StorageWriter):
                 raise
             logger.warning("commit of %s: the .metadata request failed (%s), but the store "
                            "holds this save's .metadata: committed", self.backend.uri, exc)
+            replaced = self._target
         self.bytes_written = manifest.total_bytes
         self.bytes_referenced = referenced
         logger.info(
@@ -299,7 +303,7 @@ class Writer(BoundToBackend, StorageWriter):
             referenced / 1e6,
         )
         self._release_base()  # committed: the new step's references now protect them
-        _delete_stale(self.backend, self._previous, set(files))
+        _delete_stale(self.backend, replaced.previous, set(files))
 
     # -- failure handling ----------------------------------------------------------------
 

@@ -58,7 +58,7 @@ import builtins
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from dcpstore.errors import InvalidURIError
+from dcpstore.errors import ConfigurationError, InvalidURIError
 from dcpstore.storage.concurrency import ConcurrencyLimit
 from dcpstore.storage.lifecycle import BackendLifecycle
 from dcpstore.storage.reads import scatter_reads
@@ -147,7 +147,9 @@ class Backend(BackendLifecycle):
 
     @abc.abstractmethod
     def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
-        """Store a small object in one request (``atomic``: old or new, never partial)."""
+        """Store a small object in one request (``atomic``: old or new, never partial).
+        A backend with :attr:`conditional_writes` also takes ``if_absent`` and
+        ``if_match`` keywords (see :meth:`put`); they are passed only when set."""
 
     @abc.abstractmethod
     def _get(self, key: str) -> bytes:
@@ -244,11 +246,45 @@ class Backend(BackendLifecycle):
         written through)."""
         return 0
 
-    def put(self, key: str, data: bytes, *, atomic: bool = False) -> None:
+    @property
+    def conditional_writes(self) -> bool:
+        """Whether :meth:`put` takes a precondition (``if_absent`` / ``if_match``) that
+        the store itself enforces, atomically with the write."""
+        return False
+
+    def put(self, key: str, data: bytes, *, atomic: bool = False, if_absent: bool = False,
+            if_match: str | None = None) -> None:
         """Store a small object in one request. ``atomic=True`` promises readers see the
-        old object or the new one, never a partial one (local: temp file + rename)."""
+        old object or the new one, never a partial one (local: temp file + rename).
+
+        Args:
+            key: The object.
+            data: Its bytes.
+            atomic: Old or new, never partial.
+            if_absent: Store it only if there is no object ``key`` (S3 ``If-None-Match:
+                *``, GCS ``ifGenerationMatch=0``, a hard link on POSIX).
+            if_match: Store it only if ``key`` is still the version
+                :meth:`stat` returned (:attr:`ObjectInfo.version`).
+
+        Raises:
+            PreconditionFailedError: A condition did not hold. A retried request can
+                fail so after its first attempt did store the object (the answer was
+                lost): a caller that must know reads the object back.
+            ConfigurationError: A condition on a backend without
+                :attr:`conditional_writes`.
+        """
         validate_key(key)
-        self._call(self._put, key, data, atomic=atomic, key=key)
+        conditions: dict[str, Any] = {}
+        if if_absent:
+            conditions["if_absent"] = True
+        if if_match is not None:
+            conditions["if_match"] = if_match
+        if conditions and not self.conditional_writes:
+            raise ConfigurationError(
+                f"{self.uri} cannot write conditionally ({', '.join(conditions)}): the "
+                f"{self.name} backend has no conditional writes; check "
+                "Backend.conditional_writes first")
+        self._call(self._put, key, data, atomic=atomic, key=key, **conditions)
 
     def get(self, key: str) -> bytes:
         """Read a whole (small) object."""

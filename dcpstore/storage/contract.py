@@ -10,8 +10,9 @@ method                                 what it does (one request each)
 =====================================  ==================================================
 :meth:`ObjectStore.read`               a byte range scattered into buffers, or a whole
                                        object
-:meth:`ObjectStore.put`                store an object whole (atomic: old or new)
-:meth:`ObjectStore.head`               size and mtime of one object
+:meth:`ObjectStore.put`                store an object whole (atomic: old or new),
+                                       optionally only if absent or unchanged
+:meth:`ObjectStore.head`               size, mtime and version of one object
 :meth:`ObjectStore.list`               objects under a prefix, or one level of it
 :meth:`ObjectStore.delete`             a batch of objects
 :meth:`ObjectStore.map_error`          the SDK's exceptions to dcpstore's failure kinds
@@ -24,7 +25,12 @@ hooks that have working defaults: :meth:`MultipartStore.start_upload`,
 :meth:`MultipartStore.abort_upload` and :meth:`MultipartStore.list_uploads`. A store
 without multipart uploads stores each object with one :meth:`~ObjectStore.put` (declare
 the largest in :attr:`ObjectStore.limits`); one that can write a stream straight to its
-final place (POSIX files) may offer :meth:`ObjectStore.open_stream` instead.
+final place (POSIX files) may offer :meth:`ObjectStore.open_stream` instead. A store
+whose writes can be conditional (S3 ``If-None-Match`` / ``If-Match``, GCS
+``ifGenerationMatch``, Azure's access conditions, a POSIX hard link) sets
+:attr:`ObjectStore.conditional_writes` and takes ``if_absent`` / ``if_match`` in
+:meth:`~ObjectStore.put`: commits then have one winner when two jobs write one step
+(``docs/reliability.md``).
 
 Everything else is the framework's (:mod:`dcpstore.storage.store_backend`), the same for
 every plugin: key validation, retries with backoff and jitter, deadlines, the worker pool,
@@ -43,7 +49,9 @@ The call order, for one checkpoint::
 
     save, every rank:   [start_upload] upload_part x N complete_upload   (or put)
                         abort_upload on failure
-    save, coordinator:  head(".metadata")  put(manifest)  put(".metadata")
+    save, coordinator:  head(".metadata")  put(manifest)
+                        put(".metadata", if_absent=True)     (conditional_writes;
+                        or if_match=<the version replaced>    else a plain put)
     load, every rank:   read(".metadata")  read(manifest)  read(key, offset, buffers) x N
     housekeeping:       list(prefix)  list(prefix, delimiter="/")  delete(keys)
                         list_uploads(prefix)  abort_upload(key, upload_id)
@@ -109,6 +117,8 @@ class ObjectStore(abc.ABC):
         Options: Its options dataclass (a subclass of :class:`StoreOptions`); the
             framework fills it from keywords, the URI query and the environment.
         limits: What the store accepts (:class:`StoreLimits`).
+        conditional_writes: Whether :meth:`put` enforces ``if_absent`` / ``if_match``
+            (atomically, on the store's side) and :meth:`head` returns a version.
         location: The root, as given.
         options: The options instance.
     """
@@ -117,6 +127,7 @@ class ObjectStore(abc.ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     Options: ClassVar[type[BackendOptions]] = BackendOptions
     limits: ClassVar[StoreLimits] = StoreLimits()
+    conditional_writes: ClassVar[bool] = False
 
     def __init__(self, location: str, options: BackendOptions | None = None) -> None:
         self.location = location
@@ -147,17 +158,34 @@ class ObjectStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def put(self, key: str, data: memoryview) -> None:
+    def put(self, key: str, data: memoryview, *, if_absent: bool = False,
+            if_match: str | None = None) -> None:
         """Store ``data`` as ``key`` in one request, replacing an object there.
 
         Atomic: readers see the old object or the new one, never a part. ``data`` is a
         view of a buffer the framework reuses: do not keep it after returning.
         Idempotent: a retried put stores the same object.
+
+        A store with :attr:`conditional_writes` honours the two conditions (the
+        framework passes them only to such a store, and only when set; a store without
+        may declare ``put(self, key, data)``):
+
+        Args:
+            key: The object.
+            data: Its bytes.
+            if_absent: Store only if there is no object ``key``.
+            if_match: Store only if ``key`` is still the version :meth:`head` returned
+                (:attr:`ObjectInfo.version`).
+
+        Raises:
+            Exception: The SDK's error for a condition that did not hold, which
+                :meth:`map_error` maps to :class:`~dcpstore.errors.PreconditionFailedError`.
         """
 
     @abc.abstractmethod
     def head(self, key: str) -> ObjectInfo:
-        """Size and mtime of ``key`` (``ObjectInfo.key`` is ``key``).
+        """Size, mtime and (with :attr:`conditional_writes`) version of ``key``
+        (``ObjectInfo.key`` is ``key``).
 
         Raises:
             Exception: The SDK's not-found error when there is no such object (which

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -35,6 +36,7 @@ from dcpstore.errors import (
     AccessDeniedError,
     ConfigurationError,
     ObjectNotFoundError,
+    PreconditionFailedError,
     StoreError,
     StoreTimeoutError,
 )
@@ -184,6 +186,27 @@ class FileUpload(Upload):
             self.abort()
 
 
+class _ConditionFailed(Exception):
+    """A conditional put's condition did not hold (mapped to PreconditionFailedError)."""
+
+
+def _version(st: os.stat_result) -> str:
+    """A file's version: a new file (temp file + rename) has a new inode and mtime."""
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+@contextlib.contextmanager
+def _locked(directory: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` (compare-and-swap puts there take
+    it, so a compare and its rename are one step for every other such put)."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -228,6 +251,7 @@ class LocalStore(ObjectStore):
     name: ClassVar[str] = "file"
     schemes: ClassVar[tuple[str, ...]] = ("file",)
     Options: ClassVar[type[BackendOptions]] = LocalOptions
+    conditional_writes: ClassVar[bool] = True
     options: LocalOptions
 
     def _path(self, key: str) -> str:
@@ -254,7 +278,8 @@ class LocalStore(ObjectStore):
                 f.seek(offset)
             return f.read()
 
-    def put(self, key: str, data: memoryview) -> None:
+    def put(self, key: str, data: memoryview, *, if_absent: bool = False,
+            if_match: str | None = None) -> None:
         path = self._path(key)
         parent, name = os.path.split(path)
         os.makedirs(parent, exist_ok=True)
@@ -270,7 +295,26 @@ class LocalStore(ObjectStore):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            if if_absent:
+                # a hard link fails with EEXIST where a file is: one creator wins
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise _ConditionFailed(f"{path} exists already") from None
+                os.unlink(tmp)
+            elif if_match is not None:
+                with _locked(parent):  # every compare-and-swap in this directory
+                    try:
+                        current = _version(os.stat(path))
+                    except FileNotFoundError:
+                        current = None
+                    if current != if_match:
+                        raise _ConditionFailed(
+                            f"{path} changed since it was read (version {if_match}, now "
+                            f"{current or 'absent'})")
+                    os.replace(tmp, path)
+            else:
+                os.replace(tmp, path)
         except BaseException:
             _unlink_quietly(tmp)
             raise
@@ -283,7 +327,7 @@ class LocalStore(ObjectStore):
         # deleted meanwhile and call a vanished file a directory
         if not stat.S_ISREG(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-        return ObjectInfo(key, st.st_size, st.st_mtime)
+        return ObjectInfo(key, st.st_size, st.st_mtime, _version(st))
 
     def list(self, prefix: str, *, start_after: str = "",
              delimiter: str | None = None) -> Iterator[ObjectInfo | str]:
@@ -312,6 +356,8 @@ class LocalStore(ObjectStore):
             return LocationIsAFileError(
                 errno.ENOTDIR, f"checkpoint location {self.location} is a file, not a "
                 "directory; choose a directory path")
+        if isinstance(exc, _ConditionFailed):
+            return PreconditionFailedError(errno.EEXIST, str(exc), where)
         if isinstance(exc, FileNotFoundError):
             return ObjectNotFoundError(
                 errno.ENOENT, f"no such object {key!r} under {self.location}", where)

@@ -121,8 +121,14 @@ class StoreBackend(Backend):
     def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         self.store.read(key, offset, outs)
 
-    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
-        self.store.put(key, memoryview(data).cast("B"))  # every put is atomic
+    @property
+    def conditional_writes(self) -> bool:
+        return self.store.conditional_writes
+
+    def _put(self, key: str, data: bytes, *, atomic: bool, **conditions: Any) -> None:
+        # every put is atomic; conditions are passed only when set, so a store without
+        # conditional writes keeps the two-argument put
+        self.store.put(key, memoryview(data).cast("B"), **conditions)
 
     def _get(self, key: str) -> bytes:
         data = self.store.read(key)

@@ -33,11 +33,16 @@ class ObjectInfo:
         key: Key relative to the backend root.
         size: Size in bytes.
         mtime: Last modification time (seconds since the epoch) if known.
+        version: What identifies this version of the object, where the store has it
+            (S3 and Azure: the ETag; GCS: the generation; a file: its inode, mtime and
+            size): what a conditional put's ``if_match`` compares. ``None`` where the
+            store does not say (a listing usually does not).
     """
 
     key: str
     size: int
     mtime: float | None = None
+    version: str | None = None
 
 
 @dataclass(frozen=True)

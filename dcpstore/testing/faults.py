@@ -271,8 +271,12 @@ class FaultBackend(Backend):
         if fault is not None:
             self._raise(fault, "read", key)
 
-    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
-        self._run("put", key, lambda: self.inner._put(key, data, atomic=atomic))
+    @property
+    def conditional_writes(self) -> bool:
+        return self.inner.conditional_writes
+
+    def _put(self, key: str, data: bytes, *, atomic: bool, **conditions: Any) -> None:
+        self._run("put", key, lambda: self.inner._put(key, data, atomic=atomic, **conditions))
 
     def _get(self, key: str) -> bytes:
         fault = self._pick("get", key)

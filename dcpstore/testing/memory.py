@@ -22,6 +22,7 @@ import itertools
 import math
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import ClassVar
 
 from typing_extensions import Buffer
 
-from dcpstore.errors import BucketNotFoundError, InvalidURIError
+from dcpstore.errors import BucketNotFoundError, InvalidURIError, PreconditionFailedError
 from dcpstore.storage.backend import Backend, BackendOptions, ObjectInfo, Upload
 
 __all__ = ["MemoryBackend", "MemoryOptions"]
@@ -183,11 +184,23 @@ class MemoryBackend(Backend):
             out[:] = data[pos : pos + len(out)]
             pos += len(out)
 
-    def _put(self, key: str, data: bytes, *, atomic: bool) -> None:
+    @property
+    def conditional_writes(self) -> bool:
+        return True
+
+    def _put(self, key: str, data: bytes, *, atomic: bool, if_absent: bool = False,
+             if_match: str | None = None) -> None:
         store = self._bucket()
+        name = self._name(key)
         with store.lock:
             store.requests["put"] += 1
-            store.objects[self._name(key)] = (bytes(data), time.time())
+            found = store.objects.get(name)
+            if if_absent and found is not None:
+                raise PreconditionFailedError(f"{key!r} exists under {self.uri}")
+            if if_match is not None and (found is None or _version(found) != if_match):
+                raise PreconditionFailedError(f"{key!r} under {self.uri} is not version "
+                                              f"{if_match}")
+            store.objects[name] = (bytes(data), time.time())
 
     def _get(self, key: str) -> bytes:
         store = self._bucket()
@@ -202,7 +215,7 @@ class MemoryBackend(Backend):
             found = store.objects.get(self._name(key))
         if found is None:
             raise FileNotFoundError(f"no such object {key!r} under {self.uri}")
-        return ObjectInfo(key, len(found[0]), found[1])
+        return ObjectInfo(key, len(found[0]), found[1], _version(found))
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         store = self._bucket()
@@ -244,3 +257,9 @@ class MemoryBackend(Backend):
         with store.lock:
             store.requests["abort_upload"] += 1
             store.uploads.pop(upload_id, None)
+
+
+def _version(found: tuple[bytes, float]) -> str:
+    """An object's version: its content and time (a rewrite of the same bytes is new)."""
+    data, mtime = found
+    return f"{zlib.crc32(data):08x}-{mtime!r}"

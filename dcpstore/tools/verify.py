@@ -18,7 +18,12 @@ from typing import Any
 from dcpstore.dcp import layout
 from dcpstore.dcp.checksum import BlockCRCs, crc32c
 from dcpstore.dcp.manifest import FileRecord
-from dcpstore.dcp.metadata_io import check_references, load_metadata, read_manifest
+from dcpstore.dcp.metadata_io import (
+    check_one_save,
+    check_references,
+    load_metadata,
+    read_manifest,
+)
 from dcpstore.dcp.references import root_key, run_root
 from dcpstore.errors import IntegrityError
 from dcpstore.storage.backend import Backend, ReadRange
@@ -97,6 +102,10 @@ def _verify(backend: Backend, uri: str, progress: Progress, concurrency: int) ->
     if manifest is not None:
         try:
             manifest.check_metadata(raw, source=source)
+        except IntegrityError as exc:
+            report.errors.append(str(exc))
+        try:
+            check_one_save(md, manifest, source)
         except IntegrityError as exc:
             report.errors.append(str(exc))
         for index, info in (md.storage_data or {}).items():  # as the reader checks them

@@ -1,7 +1,8 @@
 """The newest committed step of a run root, without listing every object of every step.
 
 After a step commits at the root (its ``.metadata`` is there), the coordinator writes
-a small pointer object, ``<root>/.dcpstore-latest.json``::
+a small pointer object, ``<root>/.dcpstore-latest.json`` (by compare-and-swap where the
+store has conditional writes: it never moves backwards, see :func:`write_pointer`)::
 
     {"format": 1, "step": 1200, "dir": "step-000001200",
      "save_id": "dcpstore-…", "metadata_size": 81234}
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dcpstore.dcp import layout
+from dcpstore.errors import PreconditionFailedError
 from dcpstore.storage.backend import Backend, ReadRange
 
 __all__ = ["POINTER_KEY", "Pointer", "committed_steps", "confirm_committed", "find_latest",
@@ -76,9 +78,53 @@ class Pointer:
                            "metadata_size": self.metadata_size}).encode()
 
 
-def write_pointer(root: Backend, pointer: Pointer) -> None:
-    """Point ``root``'s latest at ``pointer`` (one atomic PUT; call after the commit)."""
-    root.put(POINTER_KEY, pointer.to_bytes(), atomic=True)
+#: Lost compare-and-swaps of the pointer (other jobs publishing) before giving up.
+_POINTER_RACES = 8
+
+
+def write_pointer(root: Backend, pointer: Pointer) -> bool:
+    """Point ``root``'s latest at ``pointer``; call after its step committed.
+
+    On a store with conditional writes the pointer advances by compare-and-swap: read
+    it (HEAD for its version, GET), and replace it only if it names an older step, the
+    same step (overwritten since), or a step that no longer holds; the PUT's
+    ``if_match`` (``if_absent`` where there is none) fails if another job moved it
+    meanwhile, and the decision is made again. So two jobs publishing never move it
+    backwards. Elsewhere it is one PUT (:func:`find_latest` still finds a newer step
+    by listing after the pointer).
+
+    Returns:
+        Whether the pointer now names ``pointer`` (``False``: it names a newer step).
+    """
+    data = pointer.to_bytes()
+    if not root.conditional_writes:
+        root.put(POINTER_KEY, data, atomic=True)
+        return True
+    for _ in range(_POINTER_RACES):
+        try:
+            version = root.stat(POINTER_KEY).version
+            current = read_pointer(root)
+        except FileNotFoundError:
+            version, current = None, None
+        if (current is not None and current.step > pointer.step
+                and pointer_holds(root, current)):
+            logger.info("the latest pointer of %s names step %d, newer than %d: kept",
+                        root.uri, current.step, pointer.step)
+            return False
+        try:
+            if version is None:
+                root.put(POINTER_KEY, data, atomic=True, if_absent=True)
+            else:
+                root.put(POINTER_KEY, data, atomic=True, if_match=version)
+            return True
+        except PreconditionFailedError:
+            if read_pointer(root) == pointer:
+                return True  # a retry of this PUT, whose first answer was lost
+            logger.debug("the latest pointer of %s moved meanwhile; reading it again",
+                         root.uri)
+    raise PreconditionFailedError(
+        f"could not move the latest pointer of {root.uri} to step {pointer.step}: other "
+        f"jobs moved it {_POINTER_RACES} times meanwhile")
 
 
 def read_pointer(root: Backend) -> Pointer | None:

@@ -181,12 +181,28 @@ class Retention:
                     os.rmdir(path)
 
 
-def delete_checkpoint(ckpt: Backend) -> int:
+def delete_checkpoint(ckpt: Backend, *, spare_saves_in_progress: bool = False) -> int:
     """Delete a checkpoint: ``.metadata`` first (it stops being one at once), then the rest.
+
+    Args:
+        ckpt: The checkpoint.
+        spare_saves_in_progress: Retention's deletion: keep the data files of saves
+            that have no manifest there yet: another job saving this step again right
+            now (its commit would name them), or a crashed save (``dcpstore gc``
+            removes those).
 
     Returns the number of objects deleted.
     """
     keys = [o.key for o in ckpt.list()]
+    if spare_saves_in_progress:
+        # a save writes its manifest just before its .metadata: the saves with one are
+        # the committed save (and one it replaced); the others are still writing
+        committed = {layout.save_id_of(k) for k in keys if k.startswith(".dcpstore-")}
+        spared = [k for k in keys if layout.save_id_of(k) not in committed | {None}]
+        if spared:
+            logger.info("retention of %s: keeping %d files of a save in progress there",
+                        ckpt.uri, len(spared))
+            keys = sorted(set(keys) - set(spared))
     if layout.METADATA_KEY in keys:
         ckpt.delete([layout.METADATA_KEY])
     rest = [k for k in keys if k != layout.METADATA_KEY]
@@ -196,9 +212,10 @@ def delete_checkpoint(ckpt: Backend) -> int:
 
 
 def _delete_closing(ckpt: Backend) -> None:
-    """:func:`delete_checkpoint`, then release the backend made for it (its client)."""
+    """:func:`delete_checkpoint` for retention (sparing saves in progress), then release
+    the backend made for it (its client)."""
     try:
-        delete_checkpoint(ckpt)
+        delete_checkpoint(ckpt, spare_saves_in_progress=True)
     finally:
         ckpt.close()
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import requests.exceptions
 import urllib3.exceptions
+from azure.core import MatchConditions
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 from azure.core.exceptions import (
     AzureError,
@@ -95,6 +96,7 @@ _BY_CODE: dict[str, type[errors.StoreError]] = {
     "BlockCountExceedsLimit": errors.ObjectTooLargeError,
     "BlockListTooLong": errors.ObjectTooLargeError,
     "ConditionNotMet": errors.PreconditionFailedError,
+    "BlobAlreadyExists": errors.PreconditionFailedError,  # a Put Blob with If-None-Match: *
 }
 _BY_STATUS: dict[int, type[errors.StoreError]] = {
     401: errors.AccessDeniedError, 403: errors.AccessDeniedError,
@@ -118,7 +120,9 @@ _ADVICE: dict[type[errors.StoreError], str] = {
     errors.StoreTimeoutError: "the request timed out: raise timeout or check the network",
     errors.StoreUnavailableError: "Azure Blob Storage is unavailable or unreachable",
     errors.ObjectTooLargeError: "the request is over Azure's size limit: lower part_size",
-    errors.PreconditionFailedError: "the blob changed during the request",
+    errors.PreconditionFailedError: (
+        "the blob exists already or changed since it was read (a conditional write "
+        "lost to another writer)"),
 }
 
 
@@ -129,6 +133,7 @@ class AzureBlobStore(MultipartStore):
     schemes = ("az",)
     Options = AzureOptions
     limits = StoreLimits(max_put_size=MAX_PUT, max_parts=50_000, max_part_size=MAX_BLOCK)
+    conditional_writes = True
 
     def __init__(self, location: str, options: StoreOptions | None = None) -> None:
         super().__init__(location, options)
@@ -240,15 +245,20 @@ class AzureBlobStore(MultipartStore):
                 with contextlib.suppress(Exception):
                     response.close()
 
-    def put(self, key: str, data: memoryview) -> None:
+    def put(self, key: str, data: memoryview, *, if_absent: bool = False,
+            if_match: str | None = None) -> None:
         # the SDK's single Put Blob takes bytes only (its Put Block takes the view as is)
-        self._blob(key).upload_blob(data.tobytes(), length=len(data), overwrite=True,
-                                    max_concurrency=1)
+        conditions: dict[str, Any] = {}
+        if if_match is not None:
+            conditions = {"etag": if_match, "match_condition": MatchConditions.IfNotModified}
+        # overwrite=False sends If-None-Match: * (409 BlobAlreadyExists where one is)
+        self._blob(key).upload_blob(data.tobytes(), length=len(data),
+                                    overwrite=not if_absent, max_concurrency=1, **conditions)
 
     def head(self, key: str) -> ObjectInfo:
         props = self._blob(key).get_blob_properties()
         mtime = props.last_modified.timestamp() if props.last_modified else None
-        return ObjectInfo(key, int(props.size), mtime)
+        return ObjectInfo(key, int(props.size), mtime, props.etag)
 
     def list(self, prefix: str, *, start_after: str = "",
              delimiter: str | None = None) -> Iterable[ObjectInfo | str]:

@@ -38,8 +38,12 @@ gcsfs itself is reached only through :mod:`dcpstore_gcs.gcsfs_adapter`.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hashlib
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -113,6 +117,17 @@ class GCSOptions(StoreOptions):
         part_size: Bytes per part of a composite upload (objects of unknown size up to
             this are a single request; ``multipart_threshold`` stays 0, so part 1 is
             ``part_size`` too). At least 256 KiB.
+        kms_key_name: CMEK: the Cloud KMS key of the objects written,
+            ``projects/P/locations/L/keyRings/R/cryptoKeys/K`` (``kmsKeyName`` on every
+            upload and compose; reads need nothing). Default: the bucket's default key,
+            else Google-managed encryption. See ``docs/encryption.md``.
+        encryption_key_file: CSEK: path of a file holding the 256-bit customer-supplied
+            key, 32 raw bytes or their base64 (``openssl rand -base64 32``). Sent (with
+            its SHA-256) on every request touching object data: uploads of every part,
+            compose, downloads, ranged reads and object metadata; needed to read the
+            checkpoint back. Only the path is an option: the key is never logged or shown.
+        encryption_key_env: CSEK: name of an environment variable holding the base64 of
+            the 256-bit key (instead of ``encryption_key_file``).
     """
 
     endpoint_url: str | None = None
@@ -123,6 +138,9 @@ class GCSOptions(StoreOptions):
     connect_timeout: float = 10.0
     max_concurrency: int = 16
     part_size: int = 32 * 1024 * 1024
+    kms_key_name: str | None = None
+    encryption_key_file: str | None = None
+    encryption_key_env: str | None = None
 
     def validate(self) -> None:
         """Raise :class:`~dcpstore.errors.ConfigurationError` for values that make no
@@ -144,6 +162,85 @@ class GCSOptions(StoreOptions):
                     "Use GOOGLE_APPLICATION_CREDENTIALS, application-default credentials or "
                     "token=..."
                 )
+        if self.kms_key_name is not None and not _KMS_KEY_NAME.fullmatch(self.kms_key_name):
+            raise errors.ConfigurationError(
+                "kms_key_name must name a Cloud KMS key as projects/<project>/locations/"
+                "<location>/keyRings/<ring>/cryptoKeys/<key>, got "
+                f"{self.kms_key_name!r}")
+        if self.encryption_key_file is not None and self.encryption_key_env is not None:
+            raise errors.ConfigurationError(
+                "set only one of encryption_key_file and encryption_key_env (both name the "
+                "customer-supplied encryption key)")
+        if self.customer_key_configured:
+            if self.kms_key_name is not None:
+                raise errors.ConfigurationError(
+                    f"a customer-supplied key ({CUSTOMER_KEY_OPTIONS}) excludes kms_key_name: "
+                    "GCS encrypts an object one way; unset one of them")
+            load_customer_key(self.encryption_key_file, self.encryption_key_env)
+
+    @property
+    def customer_key_configured(self) -> bool:
+        """Whether a customer-supplied key (CSEK) is configured."""
+        return self.encryption_key_file is not None or self.encryption_key_env is not None
+
+
+#: The options that name a customer-supplied key (for messages).
+CUSTOMER_KEY_OPTIONS = "encryption_key_file or encryption_key_env"
+_KMS_KEY_NAME = re.compile(r"projects/[^/]+/locations/[^/]+/keyRings/[^/]+/cryptoKeys/[^/]+")
+
+
+def load_customer_key(path: str | None, env: str | None) -> bytes:
+    """The 32-byte customer-supplied key from the file at ``path`` (raw or base64) or
+    from the environment variable named ``env`` (base64).
+
+    Raises:
+        ConfigurationError: The file or variable is missing or does not hold 32 bytes;
+            the message names the option and the path or variable, never the key.
+    """
+    if path is not None:
+        where = f"encryption_key_file={path!r}"
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                raw = f.read(4096)
+        except OSError as exc:
+            raise errors.ConfigurationError(
+                f"cannot read the customer-supplied encryption key: {where}: "
+                f"{exc.strerror or exc}") from None
+        if len(raw) == 32:
+            return raw
+        text = raw.strip()
+    elif env is not None:
+        where = f"encryption_key_env={env!r}"
+        value = os.environ.get(env)
+        if value is None:
+            raise errors.ConfigurationError(
+                f"{where}: the environment variable {env} is not set; set it to the base64 "
+                "of the 32-byte key (e.g. `openssl rand -base64 32`)")
+        text = value.strip().encode("ascii", "replace")
+    else:
+        raise errors.ConfigurationError(
+            f"no customer-supplied encryption key configured ({CUSTOMER_KEY_OPTIONS})")
+    try:
+        key = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) != 32:
+        raise errors.ConfigurationError(
+            f"{where} must hold a 256-bit (32-byte) AES key, as 32 raw bytes (file only) or "
+            "their base64 (44 characters, e.g. `openssl rand -base64 32`); it does not")
+    return key
+
+
+def encryption_headers(options: GCSOptions) -> dict[str, str]:
+    """The ``x-goog-encryption-*`` headers of ``options``' customer-supplied key (empty
+    without one)."""
+    if not options.customer_key_configured:
+        return {}
+    key = load_customer_key(options.encryption_key_file, options.encryption_key_env)
+    return {"x-goog-encryption-algorithm": "AES256",
+            "x-goog-encryption-key": base64.b64encode(key).decode("ascii"),
+            "x-goog-encryption-key-sha256":
+                base64.b64encode(hashlib.sha256(key).digest()).decode("ascii")}
 
 
 class CorruptDownloadError(errors.StoreError, errors.IntegrityError):
@@ -170,6 +267,7 @@ class GCSStore(MultipartStore):
     schemes = ("gs", "gcs")
     Options = GCSOptions
     limits = StoreLimits(max_parts=MAX_COMPONENTS)
+    conditional_writes = True
     options: GCSOptions
 
     def __init__(self, location: str, options: StoreOptions | None = None) -> None:
@@ -180,6 +278,13 @@ class GCSStore(MultipartStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._bucket_exists = False
+        # the customer-supplied key's headers, read on first use in each process
+        self._csek: dict[str, str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_csek"] = None  # a key never travels: each process reads its own
+        return state
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -212,8 +317,11 @@ class GCSStore(MultipartStore):
     def api(self) -> JsonApi:
         """The JSON API requests of this store's bucket."""
         o = self.options
+        if self._csek is None:
+            self._csek = encryption_headers(o)
         return JsonApi(self.client, self.endpoint, self.bucket, o.timeout,
-                       o.connect_timeout, o.max_concurrency)
+                       o.connect_timeout, o.max_concurrency,
+                       encryption_headers=self._csek, kms_key_name=o.kms_key_name)
 
     def _name(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -234,15 +342,20 @@ class GCSStore(MultipartStore):
         api.run(api.read_range(self._name(key), offset, buffers))
         return None
 
-    def put(self, key: str, data: memoryview) -> None:
+    def put(self, key: str, data: memoryview, *, if_absent: bool = False,
+            if_match: str | None = None) -> None:
         # a GCS object upload is atomic: readers see the old object or the new one
         api = self.api()
-        api.run(api.upload_object(self._name(key), data, crc32c(data)))
+        generation = "0" if if_absent else if_match  # generation 0: no live object
+        api.run(api.upload_object(self._name(key), data, crc32c(data),
+                                  if_generation_match=generation))
 
     def head(self, key: str) -> ObjectInfo:
         api = self.api()
-        meta = api.run(api.metadata(self._name(key)))
-        return ObjectInfo(key, int(meta.get("size", 0)), parse_time(meta.get("updated")))
+        meta = api.run(api.metadata(self._name(key), fields="name,size,updated,generation"))
+        generation = meta.get("generation")
+        return ObjectInfo(key, int(meta.get("size", 0)), parse_time(meta.get("updated")),
+                          None if generation is None else str(generation))
 
     def list(self, prefix: str, *, start_after: str = "",
              delimiter: str | None = None) -> Iterable[ObjectInfo | str]:
@@ -389,6 +502,11 @@ class GCSStore(MultipartStore):
         the bucket is there), with its request id."""
         rid = exc.request_id or None
         failed = f"GCS {exc.method} {where} failed: HTTP {exc.status} {exc.message}"
+        encryption = self._encryption_refusal(exc)
+        if encryption is not None:
+            return errors.AccessDeniedError(
+                f"GCS refused {exc.method} {where} (HTTP {exc.status} {exc.reason} "
+                f"{exc.message}): {encryption}", request_id=rid)
         if exc.status == 404:
             if self._bucket_missing():
                 return errors.BucketNotFoundError(
@@ -415,6 +533,27 @@ class GCSStore(MultipartStore):
         if exc.status in _SERVER_ERROR_STATUS:
             return errors.StoreUnavailableError(failed, request_id=rid)
         return errors.StoreError(failed, request_id=rid)
+
+    def _encryption_refusal(self, exc: GCSRequestError) -> str | None:
+        """What to do, when GCS refused a request for the object's encryption (``None``:
+        it did not): the options to set."""
+        text = f"{exc.reason} {exc.message}".lower()
+        if exc.status == 400 and ("encryptionkey" in text or "encryption key" in text):
+            if self.options.customer_key_configured:
+                return ("the object is not encrypted with a customer-supplied key, or not "
+                        f"with this one: check {CUSTOMER_KEY_OPTIONS} (unset them for "
+                        "objects stored without one)")
+            return ("the object is encrypted with a customer-supplied key and the request "
+                    f"carried none: set {CUSTOMER_KEY_OPTIONS} to the key it was written "
+                    "with")
+        if exc.status == 403 and ("kms" in text or "cryptokey" in text):
+            return ("GCS could not use the Cloud KMS key: check kms_key_name and that the "
+                    "bucket's Cloud Storage service agent holds "
+                    "roles/cloudkms.cryptoKeyEncrypterDecrypter on it")
+        if exc.status == 403 and self.options.customer_key_configured:
+            return ("the credentials refuse it, or the customer-supplied key "
+                    f"({CUSTOMER_KEY_OPTIONS}) is not the one the object was written with")
+        return None
 
     def _bucket_missing(self) -> bool:
         """Whether the bucket is known not to exist (asked once it is there)."""

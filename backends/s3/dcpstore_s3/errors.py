@@ -44,7 +44,7 @@ from dcpstore.plugin import (
 )
 from dcpstore.storage.redact import redact
 
-from .options import S3Options
+from .options import CUSTOMER_KEY_OPTIONS, S3Options
 
 __all__ = [
     "CONFIGURATION_CODES",
@@ -84,6 +84,8 @@ RETRYABLE_CODES = THROTTLING_CODES | TIMEOUT_CODES | frozenset({
     "InternalError",
     "ServiceUnavailable",
     "PriorRequestNotComplete",
+    # two conditional writes of one key at once: S3 asks the loser to retry (409)
+    "ConditionalRequestConflict",
 })
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -167,7 +169,7 @@ def to_store_error(exc: Exception, *, where: str, bucket: str, endpoint: str | N
     attempts = options.max_attempts
     at = redact_url(endpoint)
     if isinstance(exc, ClientError):
-        return _client_error(exc, where, bucket, at, attempts)
+        return _client_error(exc, where, bucket, at, options)
     if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
         phase = "connect" if isinstance(exc, ConnectTimeoutError) else "read"
         limit = options.connect_timeout if phase == "connect" else options.timeout
@@ -207,14 +209,47 @@ def to_store_error(exc: Exception, *, where: str, bucket: str, endpoint: str | N
     return None
 
 
+def _encryption_refusal(code: str, status: int | None, message: str, op: str,
+                        options: S3Options) -> str | None:
+    """What to do, when S3 refused a request for the object's encryption (``None``: it
+    did not): the options to set."""
+    lowered = message.lower()
+    if code.startswith("KMS.") or (status == 403 and "kms" in lowered):
+        return ("S3 could not use the object's KMS key: check sse_kms_key_id and that the "
+                "identity may use that key (kms:GenerateDataKey to write, kms:Decrypt to "
+                "read)")
+    ssec = (status == 400 and code in ("InvalidRequest", "InvalidArgument")
+            and ("encryption" in lowered or "customer" in lowered))
+    # a HEAD has no error body: S3 answers a bare 400 for an SSE-C object without the key
+    bare_head = op == "HeadObject" and status == 400 and code in ("400", "BadRequest")
+    if ssec or bare_head:
+        if options.customer_key_configured:
+            return ("the object is not encrypted with a customer-provided key (SSE-C), or "
+                    f"not with this one: check {CUSTOMER_KEY_OPTIONS} (unset them for "
+                    "objects stored without SSE-C)")
+        return ("the object is encrypted with a customer-provided key (SSE-C) and the "
+                f"request carried none: set {CUSTOMER_KEY_OPTIONS} to the key it was "
+                "written with")
+    if status == 403 and options.customer_key_configured and op in (
+            "GetObject", "HeadObject", "UploadPart", "CompleteMultipartUpload"):
+        return ("the credentials or bucket policy refuse it, or the customer key "
+                f"({CUSTOMER_KEY_OPTIONS}) is not the one the object was written with")
+    return None
+
+
 def _client_error(exc: ClientError, where: str, bucket: str, at: str,
-                  attempts: int) -> StoreError | ConfigurationError:
+                  options: S3Options) -> StoreError | ConfigurationError:
     code, status, request_id, message = error_info(exc)
     op = getattr(exc, "operation_name", None) or "request"
     rid = f"request id {request_id}" if request_id else "no request id"
     detail = f"{code}{': ' + message if message else ''}; HTTP {status}, {rid}"
+    attempts = options.max_attempts
     failed = f"S3 {op} on {where} kept failing after {attempts} attempt(s) ({detail})"
     kind: type[StoreError]
+    encryption = _encryption_refusal(code, status, message, op, options)
+    if encryption is not None:
+        return AccessDeniedError(f"S3 refused {op} on {where} ({detail}): {encryption}",
+                                 request_id=request_id)
     if code == "NoSuchBucket":
         text = (f"S3 bucket {bucket!r} does not exist at {at} ({op}: {detail}); create it "
                 "or fix the URI")

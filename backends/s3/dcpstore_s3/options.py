@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from dcpstore.plugin import ConfigurationError, StoreLimits, StoreOptions
@@ -15,8 +21,11 @@ __all__ = [
     "MIN_PART_SIZE",
     "PART_GROWTH",
     "PREFIX_STRATEGIES",
+    "SSE_ALGORITHMS",
     "S3Options",
+    "encryption_params",
     "largest_object",
+    "load_customer_key",
 ]
 
 MiB = 1024 * 1024
@@ -45,6 +54,15 @@ def largest_object(part_size: int) -> int:
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 PREFIX_STRATEGIES = ("none", "hash")
+#: Values of ``sse`` (S3's ``x-amz-server-side-encryption``): SSE-S3, SSE-KMS, DSSE-KMS.
+SSE_ALGORITHMS = ("AES256", "aws:kms", "aws:kms:dsse")
+#: The options that name an SSE-C key (for messages).
+CUSTOMER_KEY_OPTIONS = "sse_customer_key_file or sse_customer_key_env"
+#: S3 operations that store object data: they carry SSE-S3 / SSE-KMS parameters.
+SSE_WRITE_OPERATIONS = frozenset({"put_object", "create_multipart_upload"})
+#: S3 operations that touch object data: with SSE-C every one carries the key.
+SSE_C_OPERATIONS = frozenset({"put_object", "create_multipart_upload", "upload_part",
+                              "complete_multipart_upload", "get_object", "head_object"})
 
 
 @dataclass
@@ -118,6 +136,27 @@ class S3Options(StoreOptions):
             number 1,000 grow up to 4x ``part_size`` (7.8 GiB objects at the default
             part size). Up to ``max_concurrency + 2`` buffers of each size are kept for
             reuse until the backend is closed (``dcpstore.save`` closes it).
+        sse: Server-side encryption of the objects written: ``"AES256"`` (SSE-S3,
+            S3-managed keys), ``"aws:kms"`` (SSE-KMS) or ``"aws:kms:dsse"`` (DSSE-KMS).
+            Default ``None``: the bucket's default encryption. Sent on ``PutObject`` and
+            ``CreateMultipartUpload``; reads need nothing (S3 decrypts). See
+            ``docs/encryption.md``.
+        sse_kms_key_id: The KMS key (id, ARN or ``alias/...``) of ``sse="aws:kms"``;
+            default: the bucket's or the AWS-managed ``aws/s3`` key.
+        sse_kms_context: SSE-KMS encryption context, a JSON object of strings
+            (``{"project": "llm"}``; a ``dict`` as a keyword argument), sent
+            base64-encoded.
+        sse_bucket_key: S3 Bucket Keys for SSE-KMS (fewer KMS requests); ``None``: the
+            bucket's setting.
+        sse_customer_key_file: SSE-C: path of a file holding the 256-bit customer key,
+            32 raw bytes (``openssl rand 32``) or their base64 (``openssl rand -base64
+            32``). The key is sent on every request that touches object data
+            (``PutObject``, ``CreateMultipartUpload``, every ``UploadPart``,
+            ``CompleteMultipartUpload``, every ``GetObject`` ranged or not,
+            ``HeadObject``) and is needed to read the checkpoint back. Only the path is
+            an option: the key never is, and it is never logged or shown.
+        sse_customer_key_env: SSE-C: name of an environment variable holding the
+            base64 of the 256-bit customer key (instead of ``sse_customer_key_file``).
     """
 
     endpoint_url: str | None = None
@@ -133,6 +172,12 @@ class S3Options(StoreOptions):
     part_size: int = 8 * MiB
     multipart_threshold: int = 16 * MiB
     max_concurrency: int = 8
+    sse: str | None = None
+    sse_kms_key_id: str | None = None
+    sse_kms_context: str | dict[str, str] | None = None
+    sse_bucket_key: bool | None = None
+    sse_customer_key_file: str | None = None
+    sse_customer_key_env: str | None = None
 
     def validate(self) -> None:
         """Raise :class:`~dcpstore.errors.ConfigurationError` (a ``ValueError``) for values
@@ -173,3 +218,117 @@ class S3Options(StoreOptions):
                     "endpoint_url carries credentials; credentials never belong in a URL. "
                     "Use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or a role."
                 )
+        self._validate_encryption()
+
+    def _validate_encryption(self) -> None:
+        """The SSE options: known values, no conflicting ones, a usable customer key."""
+        if self.sse is not None and self.sse not in SSE_ALGORITHMS:
+            raise ConfigurationError(
+                f"sse must be one of {', '.join(SSE_ALGORITHMS)} (SSE-S3, SSE-KMS, "
+                f"DSSE-KMS), got {self.sse!r}; for SSE-C set {CUSTOMER_KEY_OPTIONS} instead")
+        kms = [name for name in ("sse_kms_key_id", "sse_kms_context", "sse_bucket_key")
+               if getattr(self, name) is not None]
+        if kms and not (self.sse or "").startswith("aws:kms"):
+            raise ConfigurationError(
+                f"{', '.join(kms)} apply to SSE-KMS only: set sse='aws:kms' (or "
+                f"'aws:kms:dsse') as well, got sse={self.sse!r}")
+        if self.sse_kms_context is not None:
+            self.kms_context_header()  # raises for a malformed context
+        if self.sse_customer_key_file is not None and self.sse_customer_key_env is not None:
+            raise ConfigurationError(
+                "set only one of sse_customer_key_file and sse_customer_key_env (both "
+                "name the SSE-C customer key)")
+        if self.customer_key_configured:
+            if self.sse is not None:
+                raise ConfigurationError(
+                    f"an SSE-C customer key ({CUSTOMER_KEY_OPTIONS}) excludes sse="
+                    f"{self.sse!r}: S3 encrypts an object one way; unset one of them")
+            load_customer_key(self.sse_customer_key_file, self.sse_customer_key_env)
+
+    @property
+    def customer_key_configured(self) -> bool:
+        """Whether an SSE-C customer key is configured (file or environment variable)."""
+        return self.sse_customer_key_file is not None or self.sse_customer_key_env is not None
+
+    def kms_context_header(self) -> str | None:
+        """``sse_kms_context`` as S3 takes it: the base64 of its JSON."""
+        context: Any = self.sse_kms_context
+        if context is None:
+            return None
+        if isinstance(context, str):
+            try:
+                context = json.loads(context)
+            except ValueError:
+                context = None
+        if not isinstance(context, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in context.items()):
+            raise ConfigurationError(
+                "sse_kms_context must be a JSON object of strings, e.g. "
+                "'{\"project\": \"llm\"}' (or a dict of strings as a keyword argument)")
+        return base64.b64encode(json.dumps(context, sort_keys=True).encode()).decode("ascii")
+
+
+def load_customer_key(path: str | None, env: str | None) -> bytes:
+    """The 32-byte SSE-C key from the file at ``path`` (raw or base64) or from the
+    environment variable named ``env`` (base64).
+
+    Raises:
+        ConfigurationError: The file or variable is missing or does not hold 32 bytes;
+            the message names the option and the path or variable, never the key.
+    """
+    if path is not None:
+        where = f"sse_customer_key_file={path!r}"
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                raw = f.read(4096)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot read the SSE-C customer key: {where}: {exc.strerror or exc}") from None
+        if len(raw) == 32:
+            return raw
+        text = raw.strip()
+    elif env is not None:
+        where = f"sse_customer_key_env={env!r}"
+        value = os.environ.get(env)
+        if value is None:
+            raise ConfigurationError(
+                f"{where}: the environment variable {env} is not set; set it to the "
+                "base64 of the 32-byte SSE-C key (e.g. `openssl rand -base64 32`)")
+        text = value.strip().encode("ascii", "replace")
+    else:
+        raise ConfigurationError(f"no SSE-C customer key configured ({CUSTOMER_KEY_OPTIONS})")
+    try:
+        key = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) != 32:
+        raise ConfigurationError(
+            f"{where} must hold a 256-bit (32-byte) AES key, as 32 raw bytes (file only) or "
+            "their base64 (44 characters, e.g. `openssl rand -base64 32`); it does not")
+    return key
+
+
+def encryption_params(options: S3Options) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The SSE request parameters of ``options``: ``(on writes, with SSE-C on every
+    request touching object data)``. The SSE-C key travels base64-encoded with its MD5
+    (computed once here, so botocore's per-request MD5 handler stands aside)."""
+    write: dict[str, Any] = {}
+    if options.sse is not None:
+        write["ServerSideEncryption"] = options.sse
+        if options.sse_kms_key_id is not None:
+            write["SSEKMSKeyId"] = options.sse_kms_key_id
+        context = options.kms_context_header()
+        if context is not None:
+            write["SSEKMSEncryptionContext"] = context
+        if options.sse_bucket_key is not None:
+            write["BucketKeyEnabled"] = options.sse_bucket_key
+    customer: dict[str, Any] = {}
+    if options.customer_key_configured:
+        key = load_customer_key(options.sse_customer_key_file, options.sse_customer_key_env)
+        digest = hashlib.md5(key, usedforsecurity=False).digest()
+        customer = {
+            "SSECustomerAlgorithm": "AES256",
+            "SSECustomerKey": base64.b64encode(key).decode("ascii"),
+            "SSECustomerKeyMD5": base64.b64encode(digest).decode("ascii"),
+        }
+    return write, customer

@@ -21,6 +21,10 @@ method                   S3 requests
 ``list_uploads``         ``ListMultipartUploads``
 =======================  ==============================================================
 
+Encryption at rest (``sse*`` options, ``docs/encryption.md``) is added per operation in
+one place, :meth:`S3Store._request`: SSE-S3/SSE-KMS parameters on ``PutObject`` and
+``CreateMultipartUpload``, an SSE-C key on every request touching object data.
+
 The client is botocore's (thread-safe; shared by the stores of a process with the same
 settings). botocore's own retries are switched off: the framework retries every request
 with backoff and jitter on the kinds :func:`dcpstore_s3.errors.to_store_error` calls
@@ -38,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -57,13 +62,19 @@ from dcpstore.plugin import (
     StoreError,
     StoreOptions,
 )
-from dcpstore.storage.redact import install_log_redaction
+from dcpstore.storage.redact import CLIENT_LOGGERS, install_log_redaction
 from dcpstore.storage.registry import as_backend_class
 
 from . import _zerocopy
 from .errors import error_info, is_not_found, redact_url, to_store_error
 from .keys import KeyLayout
-from .options import LIMITS, S3Options
+from .options import (
+    LIMITS,
+    SSE_C_OPERATIONS,
+    SSE_WRITE_OPERATIONS,
+    S3Options,
+    encryption_params,
+)
 
 __all__ = ["S3Store", "S3StoreBackend"]
 
@@ -92,6 +103,7 @@ class S3Store(MultipartStore):
     schemes = ("s3", "s3a")
     Options = S3Options
     limits = LIMITS
+    conditional_writes = True
     options: S3Options
 
     def __init__(self, location: str, options: StoreOptions | None = None) -> None:
@@ -110,6 +122,8 @@ class S3Store(MultipartStore):
         self._part_sizes: dict[str, dict[int, int]] = {}  # upload id -> part -> bytes
         self._bucket_seen = False
         self._endpoint: str | None = None  # the client's, once it is made
+        # the SSE parameters (SSE-C: the key), loaded on first use in each process
+        self._sse: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     # -- statistics ----------------------------------------------------------------------
 
@@ -126,18 +140,37 @@ class S3Store(MultipartStore):
             self.bytes_read = self.bytes_written = 0
 
     def _request(self, operation: str, *, _bytes_out: int = 0, **params: Any) -> Any:
-        """One S3 API call, counted (no retries here: the framework retries)."""
+        """One S3 API call, counted (no retries here: the framework retries), with the
+        encryption parameters its operation needs (:meth:`_encryption`)."""
         with self._lock:
             self._counts[operation] += 1
             self.bytes_written += _bytes_out
         client = self.client
         if self._endpoint is None:
             self._endpoint = str(client.meta.endpoint_url)
+        if operation in SSE_C_OPERATIONS:
+            write, customer = self._encryption()
+            if operation in SSE_WRITE_OPERATIONS:
+                params.update(write)
+            params.update(customer)
         return getattr(client, operation)(**params)
+
+    def _encryption(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The SSE parameters: ``(on writes, on every request touching object data)``
+        (:func:`~dcpstore_s3.options.encryption_params`); an SSE-C key is read once per
+        process and its value kept out of the client loggers' records."""
+        sse = self._sse
+        if sse is None:
+            sse = encryption_params(self.options)
+            if sse[1]:
+                _redact_customer_key(sse[1]["SSECustomerKey"])
+            self._sse = sse
+        return sse
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         del state["_lock"]
+        state["_sse"] = None  # an SSE-C key never travels: each process reads its own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -294,16 +327,23 @@ class S3Store(MultipartStore):
         finally:
             body.close()
 
-    def put(self, key: str, data: memoryview) -> None:
+    def put(self, key: str, data: memoryview, *, if_absent: bool = False,
+            if_match: str | None = None) -> None:
         # A single PutObject is atomic on S3: readers see the old object or the new one.
+        conditions = {}
+        if if_absent:
+            conditions["IfNoneMatch"] = "*"
+        if if_match is not None:
+            conditions["IfMatch"] = if_match
         self._request("put_object", Bucket=self.bucket, Key=self._physical(key),
-                      Body=data.cast("B"), ContentLength=len(data), _bytes_out=len(data))
+                      Body=data.cast("B"), ContentLength=len(data), _bytes_out=len(data),
+                      **conditions)
 
     def head(self, key: str) -> ObjectInfo:
         def head(physical: str) -> ObjectInfo:
             response = self._request("head_object", Bucket=self.bucket, Key=physical)
             return ObjectInfo(key, int(response["ContentLength"]),
-                              _mtime(response.get("LastModified")))
+                              _mtime(response.get("LastModified")), response.get("ETag"))
 
         try:
             return self._with_fallback(key, head)
@@ -503,3 +543,47 @@ def _shared_loader() -> Any:
 def _is_hash_dir(name: str) -> bool:
     """Whether ``name`` is a two-hex-digit prefix of the ``hash`` prefix strategy."""
     return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+#: An SSE-C key header or parameter and its value, in a log record (botocore logs the
+#: request headers and the canonical request it signs at DEBUG).
+_CUSTOMER_KEY_PATTERN = re.compile(
+    r"(?i)((?:x-amz-(?:copy-source-)?server-side-encryption-customer-key|"
+    r"SSECustomerKey)['\"]?\s*[:=]\s*b?['\"]?)[A-Za-z0-9+/=]+")
+
+
+class _CustomerKeyFilter(logging.Filter):
+    """Blanks SSE-C keys out of the client loggers' records: by header name, and every
+    key this process loaded wherever it shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        cleaned = _CUSTOMER_KEY_PATTERN.sub(r"\1***", message)
+        for key in self.keys:
+            cleaned = cleaned.replace(key, "***")
+        if cleaned != message:
+            record.msg = cleaned
+            record.args = ()
+        return True
+
+
+_key_filter_lock = threading.Lock()
+_key_filter: _CustomerKeyFilter | None = None
+
+
+def _redact_customer_key(key_b64: str) -> None:
+    """Keep ``key_b64`` (and any SSE-C key header) out of the client loggers' records."""
+    global _key_filter
+    with _key_filter_lock:
+        if _key_filter is None:
+            _key_filter = _CustomerKeyFilter()
+            for name in CLIENT_LOGGERS:
+                logging.getLogger(name).addFilter(_key_filter)
+        _key_filter.keys.add(key_b64)

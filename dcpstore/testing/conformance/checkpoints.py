@@ -60,9 +60,9 @@ class CheckpointTests(ConformanceBase):
         backend = writer.backend
         orig_put, orig_open = backend.put, backend.open_upload
 
-        def put(key: str, data: bytes, *, atomic: bool = False) -> None:
+        def put(key: str, data: bytes, *, atomic: bool = False, **conditions: Any) -> None:
             events.append(f"put {key}")
-            orig_put(key, data, atomic=atomic)
+            orig_put(key, data, atomic=atomic, **conditions)
 
         def open_upload(key: str, *, size_hint: int | None = None) -> Any:
             up = orig_open(key, size_hint=size_hint)
