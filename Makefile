@@ -43,7 +43,8 @@ setup: $(VENV)/.installed
 
 # torch goes in first, alone and pinned, so no resolver ever pulls a CUDA build;
 # everything else is pinned by requirements/constraints.txt (which pins torch too).
-$(VENV)/.installed: $(PACKAGING) $(REQS) $(PLUGINS) backends/azure/install-azurite.sh
+$(VENV)/.installed: $(PACKAGING) $(REQS) $(PLUGINS) backends/azure/install-azurite.sh \
+		.ci/install-iproute2.sh
 	$(STEP) '$(PYTHON) -m venv $(VENV)'
 	$(Q)test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(STEP) 'pip install --upgrade pip'
@@ -67,6 +68,8 @@ $(VENV)/.installed: $(PACKAGING) $(REQS) $(PLUGINS) backends/azure/install-azuri
 	    else 'pip replaced torch: found ' + v + ', want $(TORCH_VERSION) CPU')"
 	$(STEP) 'npm install azurite (the Azure stand-in: backends/azure/install-azurite.sh)'
 	$(Q)backends/azure/install-azurite.sh
+	$(STEP) 'iproute2, where missing (the multi-host tests: .ci/install-iproute2.sh)'
+	$(Q).ci/install-iproute2.sh
 	$(Q)touch $@
 	$(STEP) '$(VENV) is ready'
 
@@ -82,7 +85,7 @@ demo: setup
 test: setup
 	@mkdir -p .venv-torch
 	@$(MAKE) --no-print-directory matrix-venvs seed-venvs > .venv-torch/setup.log 2>&1 & venvs=$$!; \
-	$(BIN)/python -m pytest -q; main=$$?; \
+	$(BIN)/python -m pytest -q --durations=20; main=$$?; \
 	if ! wait $$venvs; then cat .venv-torch/setup.log; echo "torch matrix: a venv failed"; \
 	    exit 1; fi; \
 	$(MAKE) --no-print-directory test-matrix-run; matrix=$$?; \

@@ -25,6 +25,10 @@ checks each one on every torch release of the matrix (``make test-matrix``), fro
   routing's hook point (:mod:`dcpstore.integrations.dcp_routing`).
 - :func:`zstandard_extension` (``checkpoint._extension.ZStandard``): the conformance
   suite's stream-extension check.
+- :func:`group_timeout` (``ProcessGroup._get_backend(device).options._timeout``): the
+  timeout of a process group, which the gloo side groups dcpstore makes inherit
+  (``new_group`` defaults to 30 minutes whatever the parent's: a rank whose peer's
+  host died would wait that long).
 
 It also knows where releases disagree on the checkpoint format itself:
 :func:`portable_metadata_bytes` pickles ``.metadata`` in the form every supported
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
@@ -53,6 +58,7 @@ __all__ = [
     "dcp_storage_setup",
     "dtensor_like",
     "element_size",
+    "group_timeout",
     "local_tensor",
     "narrow_tensor_by_index",
     "portable_metadata_bytes",
@@ -193,3 +199,17 @@ def portable_metadata_bytes(metadata: Any) -> bytes:
     pickler.dispatch_table = table
     pickler.dump(metadata)
     return buf.getvalue()
+
+
+def group_timeout(group: Any = None) -> timedelta | None:
+    """The timeout ``group`` (default: the world) was made with; ``None`` where this
+    release does not say (then a new group gets torch's default)."""
+    import torch.distributed as dist
+
+    try:
+        pg: Any = dist.group.WORLD if group is None else group
+        device = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+        timeout = pg._get_backend(torch.device(device)).options._timeout
+    except Exception:
+        return None
+    return timeout if isinstance(timeout, timedelta) else None

@@ -226,3 +226,23 @@ def test_metadata_is_written_in_the_form_every_release_reads(
     got = back.state_dict_metadata["w"].properties
     assert (got.dtype, got.layout, got.requires_grad, got.pin_memory) == (
         torch.bfloat16, props.layout, False, False)
+
+
+def test_group_timeout_is_the_one_the_group_was_made_with() -> None:
+    """Side groups inherit it (a dead peer host must fail them as soon as the world)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dcpstore.testing.servers import free_port
+    from dcpstore.torch_internals import group_timeout
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=42))
+    try:
+        assert group_timeout() == timedelta(seconds=42)
+        side = dist.new_group(backend="gloo", timeout=group_timeout())
+        assert group_timeout(side) == timedelta(seconds=42)
+    finally:
+        dist.destroy_process_group()

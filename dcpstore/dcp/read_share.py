@@ -45,6 +45,7 @@ from dcpstore.dcp.delivery import Delivery, damaged_file_error
 from dcpstore.dcp.read_plan import CoalescedRange, ItemRead
 from dcpstore.errors import decode_error, encode_error
 from dcpstore.storage.backend import Backend, ReadRange, uninitialized_buffer
+from dcpstore.torch_internals import group_timeout
 
 __all__ = [
     "MIN_PIECE",
@@ -137,7 +138,8 @@ def share_context(group: Any, coordinator: int = 0) -> ShareContext | None:
                     dist.get_backend(group))
         return None
     if world not in _SIDE_GROUPS:
-        _SIDE_GROUPS[world] = dist.new_group(backend="gloo")
+        # with the world's timeout: new_group's default is 30 minutes whatever it is
+        _SIDE_GROUPS[world] = dist.new_group(backend="gloo", timeout=group_timeout(world))
     return ShareContext(_SIDE_GROUPS[world], rank, size, coordinator)
 
 

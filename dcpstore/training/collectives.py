@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dcpstore.dcp.dist import is_distributed
 from dcpstore.errors import decode_error, encode_error
+from dcpstore.torch_internals import group_timeout
 
 __all__ = ["Collectives"]
 
@@ -47,8 +48,10 @@ class Collectives:
             return None
         with self._lock:
             if job not in self._side:
-                # a group of its own keeps background collectives off the training group
-                self._side[job] = dist.new_group(backend="gloo")
+                # a group of its own keeps background collectives off the training group;
+                # with the training group's timeout (a dead peer host fails it as soon)
+                self._side[job] = dist.new_group(
+                    backend="gloo", timeout=group_timeout(self._or_default(None)))
         return self._side[job]
 
     def rank(self, group: Any = None) -> int:

@@ -4,6 +4,7 @@ enforces credentials and permissions."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -41,7 +42,8 @@ def _weed_binary() -> str:
 
 @contextlib.contextmanager
 def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None,
-                     tls: bool | TLSFiles = False) -> Iterator[S3Server]:
+                     tls: bool | TLSFiles = False, address: str = _LOOPBACK
+                     ) -> Iterator[S3Server]:
     """SeaweedFS (``weed mini``: master, volume, filer, S3 gateway) on 127.0.0.1.
 
     Every port is chosen free and bound to 127.0.0.1; the admin UI, WebDAV, Iceberg and
@@ -56,14 +58,20 @@ def seaweedfs_server(*, start_timeout: float = 60.0, bucket: str | None = None,
             (``True``) or from this one; the server's ``ca_bundle`` is the CA's
             certificate. The internal ports (master, volume, filer) stay plain HTTP
             and gRPC on 127.0.0.1, as a gateway's back end does.
+        address: Where every port binds instead of 127.0.0.1: the machine's side of
+            the hosts' bridge (:attr:`dcpstore.testing.hosts.Hosts.gateway`), for
+            processes on those hosts. Never a public address.
     """
-    with _tls_files(tls) as files, _seaweedfs(start_timeout, bucket, files) as server:
+    with _tls_files(tls) as files, _seaweedfs(start_timeout, bucket, files,
+                                              address) as server:
         yield server
 
 
 @contextlib.contextmanager
-def _seaweedfs(start_timeout: float, bucket: str | None, tls: TLSFiles | None
-               ) -> Iterator[S3Server]:
+def _seaweedfs(start_timeout: float, bucket: str | None, tls: TLSFiles | None,
+               address: str = _LOOPBACK) -> Iterator[S3Server]:
+    if not ipaddress.ip_address(address).is_private:
+        raise ValueError(f"SeaweedFS binds to loopback or a private address, not {address}")
     weed = _weed_binary()
     workdir = tempfile.mkdtemp(prefix="dcpstore-seaweedfs-")
     access, secret = "weed-admin-" + secrets.token_hex(4), secrets.token_hex(20)
@@ -87,7 +95,7 @@ def _seaweedfs(start_timeout: float, bucket: str | None, tls: TLSFiles | None
     cmd = [
         weed, "mini",
         f"-dir={data_dir}",
-        f"-ip={_LOOPBACK}", f"-ip.bind={_LOOPBACK}",
+        f"-ip={address}", f"-ip.bind={address}",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}",
         "-master.telemetry=false",
         f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
@@ -107,7 +115,7 @@ def _seaweedfs(start_timeout: float, bucket: str | None, tls: TLSFiles | None
     log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
                             start_new_session=True)
-    endpoint = f"{'https' if tls else 'http'}://{_LOOPBACK}:{s3}"
+    endpoint = f"{'https' if tls else 'http'}://{address}:{s3}"
     server = S3Server("seaweedfs", endpoint, access, secret, readonly_access_key=ro_access,
                       readonly_secret_key=ro_secret, enforces_auth=True, data_dir=data_dir,
                       ca_bundle=tls.ca_bundle if tls else None)

@@ -1,0 +1,153 @@
+"""What each rank of a multi-host test runs (``tests/test_multihost.py``), started by
+``torchrun`` on hosts made of network namespaces (:mod:`dcpstore.testing.hosts`).
+
+    python -m torch.distributed.run ... tests/multihost_workers.py <op> <json args>
+
+Each rank writes ``<out>/<op>-rank<rank>.json`` (what it saw, its host, its local rank)
+and leaves with ``os._exit(0)`` after a clean finish (gloo can abort at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dcpstore
+
+#: Rows of each sharded tensor (divisible by 1 to 4 ranks... and by 3).
+_ROWS = 96
+
+
+def full_state(step: int, scale: int = 1) -> dict[str, torch.Tensor]:
+    """The whole state of ``step``: what every world size must load back bit-exact."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "layers.0.w": torch.randn(_ROWS, 256 * scale, generator=g),
+        "layers.1.w": torch.randn(_ROWS, 128 * scale, generator=g),
+        "norm": torch.randn(64, generator=g),  # replicated on every rank
+        "step": torch.tensor(float(step)),
+    }
+
+
+def sharded(full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``full`` as this world's DTensors: the layers sharded by rows, the rest whole."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {k: distribute_tensor(v, mesh, [Shard(0)] if k.startswith("layers") else
+                                 [Replicate()]) for k, v in full.items()}
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (distribute_tensor(torch.zeros(v.shape), v.device_mesh, v.placements)
+                if isinstance(v, DTensor) else torch.zeros_like(v)) for k, v in state.items()}
+
+
+def matches(state: dict[str, Any], full: dict[str, torch.Tensor]) -> list[str]:
+    """The keys whose local shard differs from ``full``'s."""
+    expected = sharded(full)
+    bad = []
+    for k, v in state.items():
+        local = v.to_local() if isinstance(v, DTensor) else v
+        want = expected[k].to_local() if isinstance(expected[k], DTensor) else expected[k]
+        if not torch.equal(local, want):
+            bad.append(k)
+    return bad
+
+
+# -- the operations --------------------------------------------------------------------
+
+
+def op_save(args: dict[str, Any]) -> dict[str, Any]:
+    dcpstore.save(sharded(full_state(args["step"])), args["uri"], **args["options"])
+    return {}
+
+
+def op_load(args: dict[str, Any]) -> dict[str, Any]:
+    state = zeros_like(sharded(full_state(args["step"])))
+    dcpstore.load(state, args["uri"], **args["options"])
+    return {"mismatched": matches(state, full_state(args["step"]))}
+
+
+def op_checkpointer(args: dict[str, Any]) -> dict[str, Any]:
+    """Steps 1..4 through a Checkpointer (``async_mode``, ``keep_last=2``), then a new
+    Checkpointer finds the latest and loads it."""
+    ckpt = dcpstore.Checkpointer(args["root"], keep_last=2, async_mode=args["mode"],
+                                 incremental=args.get("incremental", False),
+                                 **args["options"])
+    try:
+        for step in range(1, 5):
+            ckpt.save(step, sharded(full_state(step)))
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    again = dcpstore.Checkpointer(args["root"], **args["options"])
+    try:
+        latest = again.latest()
+        steps = again.steps()
+        state = zeros_like(sharded(full_state(4)))
+        loaded = again.load(state)
+    finally:
+        again.close()
+    return {"latest": latest, "steps": [int(s) for s in steps],
+            "loaded": None if loaded is None else int(loaded),
+            "mismatched": matches(state, full_state(4))}
+
+
+def op_killed_save(args: dict[str, Any]) -> dict[str, Any]:
+    """Commit step 1, then save a large step 2; the test kills one host during it
+    (``<out>/step2-started`` tells it when)."""
+    ckpt = dcpstore.Checkpointer(args["root"], async_mode=args["mode"], **args["options"])
+    ckpt.save(1, sharded(full_state(1)))
+    ckpt.wait()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(args["out"], "step2-started"), "w") as f:
+            f.write(str(time.time()))
+    ckpt.save(2, sharded(full_state(2, scale=args["scale"])))
+    ckpt.wait()
+    ckpt.close()
+    return {"saved": 2}
+
+
+_OPS = {"save": op_save, "load": op_load, "checkpointer": op_checkpointer,
+        "killed_save": op_killed_save}
+
+
+def main() -> None:
+    op, args = sys.argv[1], json.loads(sys.argv[2])
+    # a rank whose peers' host is gone fails after this, instead of waiting 30 minutes
+    timeout = args.get("pg_timeout", 180)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    # a rank stuck anyway says where, and goes (the test then names it)
+    faulthandler.dump_traceback_later(2 * timeout + 30, exit=True)
+    rank = dist.get_rank()
+    record: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(),
+                              "host": int(os.environ["DCPSTORE_TEST_HOST"]),
+                              "local_rank": int(os.environ["LOCAL_RANK"])}
+    try:
+        record.update(status="ok", **_OPS[op](args))
+        dist.barrier()
+    except BaseException as exc:  # reported, judged by the test
+        record.update(status="error", error=f"{type(exc).__name__}: {exc}",
+                      traceback=traceback.format_exc())
+    path = os.path.join(args["out"], f"{op}-rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if record["status"] == "ok" else 1)
+
+
+if __name__ == "__main__":
+    main()
