@@ -151,3 +151,36 @@ def test_reader_refuses_a_mixed_checkpoint(tmp_path: Path) -> None:
         dcpstore.load({k: torch.empty_like(v) for k, v in job_state(0, 0).items()}, first)
     report = ops.verify_checkpoint(first)
     assert not report.ok and any(theirs in e and "mixed" in e for e in report.errors)
+
+
+def test_two_drains_of_one_step_one_commits(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs drain their local tier's copy of one step to one root: the second one's
+    check sees nothing yet (the first commits right after it), and its conditional
+    commit refuses to replace the first's ``.metadata``."""
+    from dcpstore.training.local_tier import DrainError, copy_rank_files, publish_step
+
+    local_a, local_b = tmp_path / "a" / "step-1", tmp_path / "b" / "step-1"
+    dcpstore.save(job_state(0, 1), str(local_a))
+    dcpstore.save(job_state(1, 1), str(local_b))
+    remote = LocalBackend(str(tmp_path / "root" / "step-1"))
+    for local in (local_a, local_b):
+        copy_rank_files(str(local), remote, 0, True)
+    publish_step(str(local_a), remote)
+    committed = remote.get(layout.METADATA_KEY)
+    real_get, seen = LocalBackend.get, []
+
+    def get(self: LocalBackend, key: str) -> bytes:
+        if key == layout.METADATA_KEY and not seen:  # job A commits just after this
+            seen.append(key)
+            raise FileNotFoundError(key)
+        return real_get(self, key)
+
+    monkeypatch.setattr(LocalBackend, "get", get)
+    with pytest.raises(DrainError, match="another job committed this step"):
+        publish_step(str(local_b), remote)
+    monkeypatch.undo()
+    assert remote.get(layout.METADATA_KEY) == committed
+    out = {k: torch.empty_like(v) for k, v in job_state(0, 1).items()}
+    dcpstore.load(out, str(tmp_path / "root" / "step-1"))
+    assert all(torch.equal(out[k], v) for k, v in job_state(0, 1).items())

@@ -23,7 +23,7 @@ from dcpstore.dcp import layout
 from dcpstore.dcp.checksum import crc32c
 from dcpstore.dcp.manifest import Manifest
 from dcpstore.dcp.metadata_io import load_metadata, read_manifest
-from dcpstore.errors import DcpstoreError
+from dcpstore.errors import DcpstoreError, PreconditionFailedError
 from dcpstore.storage.backend import Backend
 from dcpstore.storage.multipart import anonymous_buffer
 
@@ -287,4 +287,16 @@ def publish_step(local_step: str, remote: Backend, *, overwrite: bool = False) -
     mkey = layout.manifest_key(manifest.save_id)
     with open(os.path.join(local_step, mkey), "rb") as f:
         remote.put(mkey, f.read())
-    remote.put(layout.METADATA_KEY, raw, atomic=True)
+    if overwrite or not remote.conditional_writes:
+        remote.put(layout.METADATA_KEY, raw, atomic=True)
+        return
+    try:  # two jobs draining one step: one commits
+        remote.put(layout.METADATA_KEY, raw, atomic=True, if_absent=True)
+    except PreconditionFailedError:
+        try:
+            if remote.get(layout.METADATA_KEY) == raw:
+                return  # this drain's own PUT, retried after its answer was lost
+        except FileNotFoundError:
+            pass
+        raise DrainError(f"{remote.uri}: another job committed this step while this drain "
+                         "ran; pass overwrite=True to the Checkpointer to replace it") from None
