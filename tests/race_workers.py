@@ -73,3 +73,18 @@ def publish_steps(job: int, jobs: int, root: str, options: dict[str, Any],
     finally:
         ckpt.close()
     return pointed
+
+
+def async_save_in_own_group(job: int, jobs: int, root: str, options: dict[str, Any]) -> int:
+    """Job 0 saves through a thread-mode Checkpointer on a process group of its own
+    while job 1 does nothing with dcpstore: job 0's background side group must be made
+    by job 0 alone."""
+    own = _own_groups(jobs)[job]
+    if job == 0:
+        ckpt = dcpstore.Checkpointer(root, process_group=own, async_mode="thread",
+                                     **options)
+        ckpt.save(1, job_state(0, 1))
+        ckpt.wait()
+        ckpt.close()
+    dist.barrier()
+    return job

@@ -27,7 +27,7 @@ from dcpstore.tools import ops
 from dcpstore.torch_internals import portable_metadata_bytes
 from dcpstore.training.latest import step_dir
 from tests.mp import run_ranks
-from tests.race_workers import job_state, publish_steps, race_saves
+from tests.race_workers import async_save_in_own_group, job_state, publish_steps, race_saves
 from tests.stores import Store
 
 ROUNDS = 20
@@ -183,4 +183,15 @@ def test_two_drains_of_one_step_one_commits(tmp_path: Path,
     assert remote.get(layout.METADATA_KEY) == committed
     out = {k: torch.empty_like(v) for k, v in job_state(0, 1).items()}
     dcpstore.load(out, str(tmp_path / "root" / "step-1"))
+    assert all(torch.equal(out[k], v) for k, v in job_state(0, 1).items())
+
+
+def test_a_job_on_a_subgroup_makes_its_side_group_alone(tmp_path: Path) -> None:
+    """A Checkpointer on a process group of its own (another job shares the world) in
+    thread mode: its background side group has its ranks and is made by them alone
+    (it was made over the whole world: job 0 waited for job 1 until the timeout)."""
+    root = str(tmp_path / "run")
+    assert run_ranks(async_save_in_own_group, 2, root, {}, timeout=60) == [0, 1]
+    out = {k: torch.empty_like(v) for k, v in job_state(0, 1).items()}
+    dcpstore.load(out, f"{root}/{step_dir(1)}")
     assert all(torch.equal(out[k], v) for k, v in job_state(0, 1).items())

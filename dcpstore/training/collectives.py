@@ -41,8 +41,9 @@ class Collectives:
         """The gloo group of background ``job``, made on first use (``None`` without
         ``torch.distributed``).
 
-        Making it is a collective: call it from the training thread on every rank in the
-        same order, before the background thread uses the group.
+        Making it is a collective of the Checkpointer's group (the world's, without
+        one): call it from the training thread on every rank of it in the same order,
+        before the background thread uses the group.
         """
         if not is_distributed():
             return None
@@ -50,8 +51,13 @@ class Collectives:
             if job not in self._side:
                 # a group of its own keeps background collectives off the training group;
                 # with the training group's timeout (a dead peer host fails it as soon)
-                self._side[job] = dist.new_group(
-                    backend="gloo", timeout=group_timeout(self._or_default(None)))
+                timeout = group_timeout(self.group)
+                if self.group is None:
+                    self._side[job] = dist.new_group(backend="gloo", timeout=timeout)
+                else:  # the same ranks; made by them alone (other jobs may share the world)
+                    self._side[job] = dist.new_group(
+                        dist.get_process_group_ranks(self.group), backend="gloo",
+                        timeout=timeout, use_local_synchronization=True)
         return self._side[job]
 
     def rank(self, group: Any = None) -> int:
