@@ -28,6 +28,7 @@ from dcpstore.errors import ConfigurationError
 from dcpstore.integrations.lightning.filesystem import _find_last
 from dcpstore.integrations.lightning.retention import LAST_COPY_PREFIX, _CheckpointStore
 from dcpstore.integrations.lightning.uris import _is_remote, _join, _split, checked_uri
+from dcpstore.torch_internals import group_timeout
 
 __all__ = ["META_KEY", "DcpstoreModelParallelStrategy"]
 
@@ -142,8 +143,9 @@ class DcpstoreModelParallelStrategy(_CheckpointStore, ModelParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.async_save and dist.is_initialized() and self._ckpt_group is None:
-            # background saves must not share the training collectives' group
-            self._ckpt_group = dist.new_group(backend="gloo")
+            # background saves must not share the training collectives' group; theirs
+            # fails as soon as the training group would (new_group's default: 30 min)
+            self._ckpt_group = dist.new_group(backend="gloo", timeout=group_timeout())
 
     def teardown(self) -> None:
         try:
