@@ -35,6 +35,7 @@ from dcpstore.storage.contract import (
     StoreLimits,
     StoreOptions,
 )
+from dcpstore.storage.customer_keys import load_customer_key
 from dcpstore.storage.registry import available_backends, register_backend
 from dcpstore.storage.uri import ParsedURI
 
@@ -60,5 +61,6 @@ __all__ = [
     "crc32c",
     "crc32c_combine",
     "http_body",
+    "load_customer_key",
     "register_backend",
 ]

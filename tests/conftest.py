@@ -27,6 +27,7 @@ from stores import (
     Store,
     build_store,
     full_requested,
+    use_s3_server,
     write_store_msc_config,
 )
 
@@ -131,3 +132,21 @@ def store(request: pytest.FixtureRequest, tmp_path: Path,
           monkeypatch: pytest.MonkeyPatch) -> Store:
     """Each store in turn (see :func:`build_store`)."""
     return build_store(request.param, request, tmp_path, monkeypatch)
+
+
+# -- the S3 servers, with their credentials in the environment ----------------------------
+
+@pytest.fixture(params=["moto_s3", "seaweedfs_s3"])
+def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """Each S3 server in turn, with its credentials in the environment."""
+    return use_s3_server(request.getfixturevalue(request.param), monkeypatch)
+
+
+@pytest.fixture
+def moto(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    return use_s3_server(moto_s3, monkeypatch)
+
+
+@pytest.fixture
+def seaweed(seaweedfs_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    return use_s3_server(seaweedfs_s3, monkeypatch)

@@ -30,7 +30,7 @@ from dcpstore.testing.stores import KINDS, msc_store_profile, tree_files, write_
 from dcpstore.testing.stores import RunningStore as Store
 
 __all__ = ["BUCKET", "KINDS", "MSC_PROFILE", "STORE_NAMES", "Store", "tree_files",
-           "write_store_msc_config"]
+           "use_s3_server", "write_store_msc_config"]
 
 #: Bucket every server store uses (created once per session).
 BUCKET = "dcpstore-test"
@@ -151,3 +151,12 @@ class GatedBackend(LocalBackend):
     def _open_upload(self, key: str) -> Any:
         assert self.gate.wait(30)
         return super()._open_upload(key)
+
+
+def use_s3_server(server: Any, monkeypatch: pytest.MonkeyPatch, *, readonly: bool = False
+                  ) -> Any:
+    """``server`` (an ``S3Server``) with its credentials in the environment (its
+    read-only identity's with ``readonly``)."""
+    for name, value in server.env(readonly=readonly).items():
+        monkeypatch.setenv(name, value)
+    return server

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from botocore.exceptions import ClientError, ReadTimeoutError
 from dcpstore_s3 import S3Backend, S3Options, S3Store, _zerocopy
 from dcpstore_s3.keys import hashed_key, is_data_file, logical_key
-from stores import S3_TEST_BUCKET
+from stores import S3_TEST_BUCKET, use_s3_server
 from test_multipart import _odd_writes
 
 import dcpstore
@@ -49,7 +49,7 @@ class _S3Conformance(BackendConformance):
     @pytest.fixture
     def server(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
                ) -> S3Server:
-        return _use(request.getfixturevalue(self.server_fixture), monkeypatch)
+        return use_s3_server(request.getfixturevalue(self.server_fixture), monkeypatch)
 
     @pytest.fixture
     def checkpoint_uri(self, server: S3Server) -> str:
@@ -96,7 +96,7 @@ class TestSeaweedFSConformance(_S3Conformance):
     @pytest.fixture
     def denied_backend_options(self, server: S3Server, backend_options: dict[str, Any],
                                monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-        _use(server, monkeypatch, readonly=True)  # SeaweedFS's read-only identity
+        use_s3_server(server, monkeypatch, readonly=True)  # SeaweedFS's read-only identity
         return backend_options
 
 
@@ -119,27 +119,6 @@ def _isolated_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
 
 
-def _use(server: S3Server, monkeypatch: pytest.MonkeyPatch, *, readonly: bool = False
-         ) -> S3Server:
-    for name, value in server.env(readonly=readonly).items():
-        monkeypatch.setenv(name, value)
-    return server
-
-
-@pytest.fixture(params=["moto_s3", "seaweedfs_s3"])
-def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    """Each S3 server in turn, with its credentials in the environment."""
-    return _use(request.getfixturevalue(request.param), monkeypatch)
-
-
-@pytest.fixture
-def moto(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    return _use(moto_s3, monkeypatch)
-
-
-@pytest.fixture
-def seaweed(seaweedfs_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    return _use(seaweedfs_s3, monkeypatch)
 
 
 def _uri(tag: str = "t") -> str:
@@ -390,7 +369,7 @@ def test_access_denied(seaweed: S3Server, monkeypatch: pytest.MonkeyPatch) -> No
     opts = _opts(seaweed)
     dcpstore.save({"w": torch.randn(4)}, uri, **opts)
 
-    _use(seaweed, monkeypatch, readonly=True)
+    use_s3_server(seaweed, monkeypatch, readonly=True)
     reader = dcpstore.open_backend(uri, **opts)
     assert reader.exists(".metadata")  # reading is allowed
     with pytest.raises(PermissionError, match="AccessDenied") as denied:

@@ -49,25 +49,6 @@ def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     isolate_env(monkeypatch)
 
 
-def _use(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for name, value in server.env().items():
-        monkeypatch.setenv(name, value)
-    return server
-
-
-@pytest.fixture(params=["moto_s3", "seaweedfs_s3"])
-def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    return _use(request.getfixturevalue(request.param), monkeypatch)
-
-
-@pytest.fixture
-def seaweedfs(seaweedfs_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    return _use(seaweedfs_s3, monkeypatch)
-
-
-@pytest.fixture
-def moto(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    return _use(moto_s3, monkeypatch)
 
 
 def _key_file(tmp_path: Path, *, b64: bool = False) -> tuple[Path, bytes]:
@@ -87,6 +68,7 @@ class Sent:
     def __init__(self, uri: str, options: dict[str, Any]) -> None:
         # stores with the same client settings share one botocore client: hooking the
         # client of a store opened with the same options sees every save's and load's
+        self.uri = uri
         self.backend = dcpstore.open_backend(uri, **options)
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.client = self.backend.client
@@ -132,6 +114,21 @@ ONE_FILE: dict[str, Any] = {"files_per_rank": 1}
 RANGED: dict[str, Any] = {"coalesce_gap": 0, "max_range": 1 * MiB}
 
 
+def _round_trip(tag: str, options: dict[str, Any], sent: list[Sent],
+                **load_options: Any) -> Sent:
+    """Save :func:`_state` in one data file and load it back bit-exact, every request
+    recorded by the returned hook."""
+    uri = _uri(tag)
+    hook = Sent(uri, options)
+    sent.append(hook)
+    state = _state()
+    dcpstore.save(state, uri, **options, **ONE_FILE)
+    out = _empty()
+    dcpstore.load(out, uri, **options, **load_options)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    return hook
+
+
 # -- SSE-C ------------------------------------------------------------------------------
 
 
@@ -143,14 +140,7 @@ def test_sse_c_key_on_every_object_request(s3: S3Server, tmp_path: Path,
     path, key = _key_file(tmp_path)
     options: dict[str, Any] = {"endpoint_url": s3.endpoint_url,
                                "sse_customer_key_file": str(path), **SMALL_PARTS}
-    uri = _uri("sse-c")
-    hook = Sent(uri, options)
-    sent.append(hook)
-    state = _state()
-    dcpstore.save(state, uri, **options, **ONE_FILE)
-    out = _empty()
-    dcpstore.load(out, uri, **options, **RANGED)
-    assert all(torch.equal(out[k], state[k]) for k in state)
+    hook = _round_trip("sse-c", options, sent, **RANGED)
     data_file = next(i.key for i in hook.backend.list() if i.key.endswith(".distcp"))
     assert hook.backend.stat(data_file).size >= 12 * MiB  # HeadObject
 
@@ -173,11 +163,11 @@ def test_sse_c_key_on_every_object_request(s3: S3Server, tmp_path: Path,
     assert not hook.carrying(SSE_HEADER)  # SSE-C alone, no SSE-S3/KMS header
 
 
-def test_sse_c_enforced_by_seaweedfs(seaweedfs: S3Server, tmp_path: Path) -> None:
+def test_sse_c_enforced_by_seaweedfs(seaweed: S3Server, tmp_path: Path) -> None:
     """SeaweedFS refuses reads without the key (400) and with a wrong key (403): both are
     an AccessDeniedError naming the option, not an integrity error."""
     path, _ = _key_file(tmp_path, b64=True)  # base64 in the file works too
-    base: dict[str, Any] = {"endpoint_url": seaweedfs.endpoint_url, "max_attempts": 2,
+    base: dict[str, Any] = {"endpoint_url": seaweed.endpoint_url, "max_attempts": 2,
                             **SMALL_PARTS}
     uri = _uri("sse-c-enforced")
     state = _state()
@@ -194,21 +184,21 @@ def test_sse_c_enforced_by_seaweedfs(seaweedfs: S3Server, tmp_path: Path) -> Non
         dcpstore.load(_empty(), uri, sse_customer_key_file=str(wrong), **base)
     assert "not the one the object was written with" in str(bad.value)
     # a HEAD has no error body: a bare 400 is told as the missing key too
-    plain = dcpstore.open_backend(uri, endpoint_url=seaweedfs.endpoint_url, max_attempts=1)
+    plain = dcpstore.open_backend(uri, endpoint_url=seaweed.endpoint_url, max_attempts=1)
     data_file = next(i.key for i in plain.list() if i.key.endswith(".distcp"))
     with pytest.raises(AccessDeniedError, match="sse_customer_key_env"):
         plain.stat(data_file)
     plain.close()
 
 
-def test_sse_c_key_from_environment_and_uri_query(seaweedfs: S3Server,
+def test_sse_c_key_from_environment_and_uri_query(seaweed: S3Server,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The variable's name comes as ``DCPSTORE_S3_SSE_CUSTOMER_KEY_ENV`` or in the URI
     query; the key itself only ever from the variable."""
     key = secrets.token_bytes(32)
     monkeypatch.setenv("CKPT_SSE_KEY", base64.b64encode(key).decode())
     monkeypatch.setenv("DCPSTORE_S3_SSE_CUSTOMER_KEY_ENV", "CKPT_SSE_KEY")
-    base = {"endpoint_url": seaweedfs.endpoint_url, "max_attempts": 2}
+    base = {"endpoint_url": seaweed.endpoint_url, "max_attempts": 2}
     uri = _uri("sse-c-env")
     dcpstore.save({"w": torch.arange(100)}, uri, **base)
     monkeypatch.delenv("DCPSTORE_S3_SSE_CUSTOMER_KEY_ENV")
@@ -217,7 +207,7 @@ def test_sse_c_key_from_environment_and_uri_query(seaweedfs: S3Server,
     out = {"w": torch.zeros(100, dtype=torch.int64)}
     dcpstore.load(out, f"{uri}?sse_customer_key_env=CKPT_SSE_KEY", **base)
     assert torch.equal(out["w"], torch.arange(100))
-    raw = boto3.client("s3", endpoint_url=seaweedfs.endpoint_url)
+    raw = boto3.client("s3", endpoint_url=seaweed.endpoint_url)
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     head = raw.head_object(Bucket=bucket, Key=f"{prefix}/.metadata",
                            SSECustomerAlgorithm="AES256", SSECustomerKey=key)
@@ -239,21 +229,14 @@ def test_sse_s3_stored(s3: S3Server, sent: list[Sent]) -> None:
     """``sse=AES256`` goes on PutObject and CreateMultipartUpload (not on parts or reads);
     both servers store it and echo it on HEAD."""
     options = {"endpoint_url": s3.endpoint_url, "sse": "AES256", **SMALL_PARTS}
-    uri = _uri("sse-s3")
-    hook = Sent(uri, options)
-    sent.append(hook)
-    state = _state()
-    dcpstore.save(state, uri, **options, **ONE_FILE)
-    out = _empty()
-    dcpstore.load(out, uri, **options)
-    assert all(torch.equal(out[k], state[k]) for k in state)
+    hook = _round_trip("sse-s3", options, sent)
     ops, with_sse = hook.ops(), hook.carrying(SSE_HEADER, "AES256")
     assert with_sse["PutObject"] == ops["PutObject"] >= 1
     assert with_sse["CreateMultipartUpload"] == ops["CreateMultipartUpload"] >= 1
     assert ops["UploadPart"] >= 3 and sum(with_sse.values()) == (
         ops["PutObject"] + ops["CreateMultipartUpload"])
-    assert _head(s3, uri, ".distcp")["ServerSideEncryption"] == "AES256"
-    assert _head(s3, uri, ".metadata")["ServerSideEncryption"] == "AES256"
+    assert _head(s3, hook.uri, ".distcp")["ServerSideEncryption"] == "AES256"
+    assert _head(s3, hook.uri, ".metadata")["ServerSideEncryption"] == "AES256"
 
 
 def test_sse_kms_parameters_sent_and_stored_by_moto(moto: S3Server, sent: list[Sent],
@@ -377,14 +360,14 @@ def test_aws_encryption_answers_are_access_denied(exc: ClientError, configured: 
     assert match in str(error)
 
 
-def test_kms_unavailable_on_seaweedfs_is_not_silent(seaweedfs: S3Server) -> None:
+def test_kms_unavailable_on_seaweedfs_is_not_silent(seaweed: S3Server) -> None:
     """SeaweedFS without a KMS answers SSE-KMS writes with a 500: the save fails (after
     its retries), it never stores the object unencrypted."""
     uri = _uri("kms-seaweedfs")
     with pytest.raises(OSError):
-        dcpstore.save({"w": torch.ones(4)}, uri, endpoint_url=seaweedfs.endpoint_url,
+        dcpstore.save({"w": torch.ones(4)}, uri, endpoint_url=seaweed.endpoint_url,
                       sse="aws:kms", max_attempts=1)
-    assert not dcpstore.open_backend(uri, endpoint_url=seaweedfs.endpoint_url).list()
+    assert not dcpstore.open_backend(uri, endpoint_url=seaweed.endpoint_url).list()
 
 
 def test_key_file_is_read_per_process(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from multihost_workers import full_state
 
 import dcpstore
 from dcpstore.testing.hosts import Hosts, sweep
@@ -199,11 +200,6 @@ def test_one_host_killed_during_a_save(hosts: Hosts, s3: S3Server, tmp_path: Pat
 
 
 def _full(step: int) -> dict[str, torch.Tensor]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        from multihost_workers import full_state
-    finally:
-        sys.path.pop(0)
     return full_state(step)
 
 

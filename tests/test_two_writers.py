@@ -15,9 +15,13 @@ real processes race to save the same step URI, 20 rounds each.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from mp import run_ranks
+from race_workers import async_save_in_own_group, job_state, publish_steps, race_saves
+from stores import Store
 
 import dcpstore
 from dcpstore.dcp import layout
@@ -26,9 +30,6 @@ from dcpstore.storage.local import LocalBackend
 from dcpstore.tools import ops
 from dcpstore.torch_internals import portable_metadata_bytes
 from dcpstore.training.latest import step_dir
-from tests.mp import run_ranks
-from tests.race_workers import async_save_in_own_group, job_state, publish_steps, race_saves
-from tests.stores import Store
 
 ROUNDS = 20
 
@@ -64,19 +65,30 @@ def _data_saves(store: Store, uri: str) -> set[str | None]:
     return {layout.save_id_of(k) for k in store.files(uri) if k != layout.METADATA_KEY}
 
 
+def _race(store: Store, tag: str, overwrite: bool) -> tuple[str, list[Any], bool]:
+    """Two jobs racing for ``ROUNDS`` rounds: the root, what each job saw, and whether
+    the store has conditional writes."""
+    root = store.uri(tag)
+    seen = run_ranks(race_saves, 2, root, store.options, ROUNDS, overwrite, timeout=600)
+    return root, seen, store.backend().conditional_writes
+
+
+def _round(store: Store, root: str, r: int) -> tuple[str, int]:
+    """Round ``r``'s checkpoint, loaded whole and verified: its URI and whose it is."""
+    uri = f"{root}/race-{r:03d}"
+    holder = _whose(_load(store, uri), r, (0, 1))
+    report = ops.verify_checkpoint(uri, **store.options)
+    assert report.ok, (r, report.errors)
+    return uri, holder
+
+
 def test_two_jobs_one_step_one_winner(store: Store) -> None:
-    root = store.uri("race")
-    seen = run_ranks(race_saves, 2, root, store.options, ROUNDS, False, timeout=600)
-    conditional = store.backend().conditional_writes
+    root, seen, conditional = _race(store, "race", overwrite=False)
     for r in range(ROUNDS):
-        uri = f"{root}/race-{r:03d}"
+        uri, holder = _round(store, root, r)
         outcome = [seen[job][r] for job in (0, 1)]
         winners = [job for job in (0, 1) if outcome[job]["ok"]]
-        state = _load(store, uri)
-        holder = _whose(state, r, (0, 1))
         save_id = _winner(store, uri)
-        report = ops.verify_checkpoint(uri, **store.options)
-        assert report.ok, (r, report.errors)
         if conditional:
             assert winners == [holder], (r, outcome)
             loser = outcome[1 - holder]
@@ -93,15 +105,10 @@ def test_two_jobs_one_step_one_winner(store: Store) -> None:
 
 
 def test_two_jobs_overwriting_last_commit_wins_whole(store: Store) -> None:
-    root = store.uri("race-ow")
-    seen = run_ranks(race_saves, 2, root, store.options, ROUNDS, True, timeout=600)
-    conditional = store.backend().conditional_writes
+    root, seen, conditional = _race(store, "race-ow", overwrite=True)
     for r in range(ROUNDS):
-        uri = f"{root}/race-{r:03d}"
+        uri, _ = _round(store, root, r)  # whole, and one of the two racing saves
         assert all(seen[job][r]["ok"] for job in (0, 1)), r
-        _whose(_load(store, uri), r, (0, 1))  # whole, and one of the two racing saves
-        report = ops.verify_checkpoint(uri, **store.options)
-        assert report.ok, (r, report.errors)
         if conditional:  # the last commit removed the files of the one it replaced
             assert _data_saves(store, uri) == {_winner(store, uri)}, store.files(uri)
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hashlib
 import logging
 import os
@@ -61,6 +60,7 @@ from dcpstore.plugin import (
     StoreLimits,
     StoreOptions,
 )
+from dcpstore.plugin import load_customer_key as _load_key
 from dcpstore.storage.store_backend import backend_class
 
 from .api import (
@@ -191,44 +191,10 @@ _KMS_KEY_NAME = re.compile(r"projects/[^/]+/locations/[^/]+/keyRings/[^/]+/crypt
 
 def load_customer_key(path: str | None, env: str | None) -> bytes:
     """The 32-byte customer-supplied key from the file at ``path`` (raw or base64) or
-    from the environment variable named ``env`` (base64).
-
-    Raises:
-        ConfigurationError: The file or variable is missing or does not hold 32 bytes;
-            the message names the option and the path or variable, never the key.
-    """
-    if path is not None:
-        where = f"encryption_key_file={path!r}"
-        try:
-            with open(os.path.expanduser(path), "rb") as f:
-                raw = f.read(4096)
-        except OSError as exc:
-            raise errors.ConfigurationError(
-                f"cannot read the customer-supplied encryption key: {where}: "
-                f"{exc.strerror or exc}") from None
-        if len(raw) == 32:
-            return raw
-        text = raw.strip()
-    elif env is not None:
-        where = f"encryption_key_env={env!r}"
-        value = os.environ.get(env)
-        if value is None:
-            raise errors.ConfigurationError(
-                f"{where}: the environment variable {env} is not set; set it to the base64 "
-                "of the 32-byte key (e.g. `openssl rand -base64 32`)")
-        text = value.strip().encode("ascii", "replace")
-    else:
-        raise errors.ConfigurationError(
-            f"no customer-supplied encryption key configured ({CUSTOMER_KEY_OPTIONS})")
-    try:
-        key = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        key = b""
-    if len(key) != 32:
-        raise errors.ConfigurationError(
-            f"{where} must hold a 256-bit (32-byte) AES key, as 32 raw bytes (file only) or "
-            "their base64 (44 characters, e.g. `openssl rand -base64 32`); it does not")
-    return key
+    from the environment variable named ``env`` (base64); see
+    :func:`dcpstore.plugin.load_customer_key`."""
+    return _load_key(path=path, env=env, file_option="encryption_key_file",
+                     env_option="encryption_key_env")
 
 
 def encryption_headers(options: GCSOptions) -> dict[str, str]:

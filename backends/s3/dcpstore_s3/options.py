@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from dcpstore.plugin import ConfigurationError, StoreLimits, StoreOptions
+from dcpstore.plugin import load_customer_key as _load_key
 
 __all__ = [
     "ADDRESSING_STYLES",
@@ -270,42 +269,10 @@ class S3Options(StoreOptions):
 
 def load_customer_key(path: str | None, env: str | None) -> bytes:
     """The 32-byte SSE-C key from the file at ``path`` (raw or base64) or from the
-    environment variable named ``env`` (base64).
-
-    Raises:
-        ConfigurationError: The file or variable is missing or does not hold 32 bytes;
-            the message names the option and the path or variable, never the key.
-    """
-    if path is not None:
-        where = f"sse_customer_key_file={path!r}"
-        try:
-            with open(os.path.expanduser(path), "rb") as f:
-                raw = f.read(4096)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot read the SSE-C customer key: {where}: {exc.strerror or exc}") from None
-        if len(raw) == 32:
-            return raw
-        text = raw.strip()
-    elif env is not None:
-        where = f"sse_customer_key_env={env!r}"
-        value = os.environ.get(env)
-        if value is None:
-            raise ConfigurationError(
-                f"{where}: the environment variable {env} is not set; set it to the "
-                "base64 of the 32-byte SSE-C key (e.g. `openssl rand -base64 32`)")
-        text = value.strip().encode("ascii", "replace")
-    else:
-        raise ConfigurationError(f"no SSE-C customer key configured ({CUSTOMER_KEY_OPTIONS})")
-    try:
-        key = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        key = b""
-    if len(key) != 32:
-        raise ConfigurationError(
-            f"{where} must hold a 256-bit (32-byte) AES key, as 32 raw bytes (file only) or "
-            "their base64 (44 characters, e.g. `openssl rand -base64 32`); it does not")
-    return key
+    environment variable named ``env`` (base64); see
+    :func:`dcpstore.plugin.load_customer_key`."""
+    return _load_key(path=path, env=env, file_option="sse_customer_key_file",
+                     env_option="sse_customer_key_env")
 
 
 def encryption_params(options: S3Options) -> tuple[dict[str, Any], dict[str, Any]]:
