@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dcpstore.testing.servers import free_port, scrubbed_environ
 
-__all__ = ["LaunchResult", "free_port", "run_killable", "run_ranks"]
+__all__ = ["LaunchResult", "echo_rank", "free_port", "run_killable", "run_ranks"]
 
 
 @dataclass
@@ -86,6 +86,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
         if barrier:
             dist.barrier()  # no rank tears gloo down while another still talks to it
     except BaseException as exc:
+        if not dist.is_initialized() and "EADDRINUSE" in str(exc):
+            # another process took the port between free_port() and this bind: the
+            # launcher starts the ranks again on another one
+            open(os.path.join(outdir, _PORT_TAKEN), "w").close()
+            os._exit(0)
         result = {"status": "error",
                   "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     try:
@@ -122,10 +127,39 @@ def _context() -> Any:
     return _CONTEXT
 
 
+#: Written by rank 0 when the rendezvous port was taken meanwhile (see :func:`_launch`).
+_PORT_TAKEN = "port-taken"
+#: Launches on a fresh port before a taken port counts as a failure.
+_PORT_TRIES = 3
+
+
 def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], *, outdir: str,
             environ: dict[str, str], victim_grace: float, gloo_timeout: float,
             timeout: float, barrier: bool, backend: str = "gloo") -> LaunchResult:
+    """Start the ranks and wait for them (see :func:`run_killable`); start them again on
+    another port when the one :func:`free_port` chose was taken before rank 0 bound it
+    (the other ranks would wait for it until the timeout)."""
     os.makedirs(outdir, exist_ok=True)
+    for _ in range(_PORT_TRIES - 1):
+        result = _launch_once(fn, world_size, args, outdir=outdir, environ=environ,
+                              victim_grace=victim_grace, gloo_timeout=gloo_timeout,
+                              timeout=timeout, barrier=barrier, backend=backend)
+        taken = os.path.join(outdir, _PORT_TAKEN)
+        if not os.path.exists(taken):
+            return result
+        os.unlink(taken)
+        for name in os.listdir(outdir):
+            if name.startswith(("rank", "pid")):
+                os.unlink(os.path.join(outdir, name))
+    return _launch_once(fn, world_size, args, outdir=outdir, environ=environ,
+                        victim_grace=victim_grace, gloo_timeout=gloo_timeout,
+                        timeout=timeout, barrier=barrier, backend=backend)
+
+
+def _launch_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], *,
+                 outdir: str, environ: dict[str, str], victim_grace: float,
+                 gloo_timeout: float, timeout: float, barrier: bool,
+                 backend: str = "gloo") -> LaunchResult:
     ctx = _context()
     port = free_port()
     started = time.monotonic()
@@ -140,6 +174,8 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], *, o
     try:
         while any(p.exitcode is None for p in procs):
             now = time.monotonic()
+            if os.path.exists(os.path.join(outdir, _PORT_TAKEN)):
+                break  # the finally kills the ranks waiting for rank 0's store
             if now - started > timeout:
                 timed_out = True
                 break
@@ -215,3 +251,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     if errors or missing:
         raise AssertionError("\n".join(errors + [f"rank {r} died or hung" for r in missing]))
     return [out[r]["value"] for r in range(world_size)]
+
+
+def echo_rank(rank: int, world_size: int) -> int:
+    """A rank function for the launcher's own tests: the rank, once every rank is up."""
+    dist.barrier()
+    return rank
