@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, one prepared script of a few minutes on one GPU machine: the GPU suite
-# (tests/gpu) and the GPU stall benchmark (benchmarks.cuda_stall), results into OUTDIR.
+# (tests/gpu, with Megatron's GPU paths where megatron-core and megatron-fsdp are importable)
+# and the GPU stall benchmark (benchmarks.cuda_stall), results into OUTDIR.
 #
 #   benchmarks/gpu_run.sh OUTDIR [COMMIT]      # SIZE=2GiB by default, PYTHON=python3
 #
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
       'nccl', '.'.join(map(str, torch.cuda.nccl.version())), 'gpus', torch.cuda.device_count())"
   nproc
 } 2>&1 | tee "$out/env.txt"
-timeout 240 $py -m pytest -p no:cacheprovider tests/gpu -v -rs --timeout 100 --junitxml="$out/gpu-suite.xml" \
+timeout 420 $py -m pytest -p no:cacheprovider tests/gpu -v -rs --timeout 200 --junitxml="$out/gpu-suite.xml" \
   2>&1 | grep -v DEBUG | tee "$out/gpu-suite.log"
 suite=${PIPESTATUS[0]}
 timeout 300 $py -m benchmarks.cuda_stall --size "${SIZE:-2GiB}" --saves 4 --compute-s 1 \

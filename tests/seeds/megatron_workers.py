@@ -89,7 +89,8 @@ def global_tensors(sharded: dict[str, Any]) -> dict[str, torch.Tensor]:
     for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor):
             assert sh.flattened_range is None
-            local = sh.data.detach().reshape((1,) * sh.prepend_axis_num + tuple(sh.data.shape))
+            shape = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
+            local = sh.data.detach().cpu().reshape(shape)
             mine.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset), local.clone()))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -130,6 +131,22 @@ def load_tp1(rank: int, world: int, uri: str) -> dict[str, Any]:
     restore(model, optim, loaded)
     return {"tensors": global_tensors(sharded_state(model, optim)),
             "step": float(optim.state_dict()["state"][0]["step"]), "iteration": iteration,
+            "tp_shape": tuple(model.embedding.word_embeddings.weight.shape)}
+
+
+def load_model_tp(rank: int, world: int, uri: str) -> dict[str, Any]:
+    """The model alone, at tensor parallelism ``world`` on the CPU, from a checkpoint saved
+    at another layout (tests/gpu/test_megatron.py: TP 1 on a GPU, with the distributed
+    optimizer's state beside it)."""
+    from megatron.core import dist_checkpointing
+
+    from dcpstore.integrations.megatron import DcpstoreFeature
+
+    DcpstoreFeature.enable()
+    model, _ = _build(tp=world, seed=1)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, uri)
+    model.load_state_dict(loaded["model"], strict=True)
+    return {"tensors": global_tensors({"model": model.sharded_state_dict()}),
             "tp_shape": tuple(model.embedding.word_embeddings.weight.shape)}
 
 
