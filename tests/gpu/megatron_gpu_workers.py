@@ -137,11 +137,18 @@ def _ddp_state(ddp: Any, optim: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+#: The distributed optimizer's checkpoint format: states in the parameters' own shapes, so
+#: the checkpoint reshards across tensor, pipeline and data parallelism. (0.19's default,
+#: ``fully_sharded_model_space``, stops at "ShardedTensor.flattened_range is not supported".)
+_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _ddp_sharded(ddp: Any, optim: Any, *, loading: bool) -> dict[str, Any]:
     # Megatron's save_checkpoint unwraps DDP first: the keys are the GPTModel's own
-    model_sd = ddp.module.sharded_state_dict()
+    model_sd = ddp.module.sharded_state_dict(metadata=_SHARDING)
     return {"model": model_sd, "iteration": 2,
-            "optimizer": optim.sharded_state_dict(model_sd, is_loading=loading)}
+            "optimizer": optim.sharded_state_dict(model_sd, is_loading=loading,
+                                                  metadata=_SHARDING)}
 
 
 def ddp_save(rank: int, world: int, uri: str, want_path: str) -> dict[str, Any]:
@@ -189,9 +196,11 @@ def _fsdp(seed: int) -> tuple[Any, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
 
     gpt = _gpt(seed)
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    # Megatron's layers are tensor-parallel aware: Megatron-FSDP wants a TP dimension, of
+    # size 1 here ("you must specify tp_dim", megatron_fsdp/utils.py)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     optim = torch.optim.Adam(gpt.parameters(), lr=1e-2)
-    model, optim = fully_shard(gpt, optim, device_mesh=mesh, dp_shard_dim="dp",
+    model, optim = fully_shard(gpt, optim, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
                                fsdp_unit_modules=[TransformerLayer], zero_dp_strategy=3,
                                device=torch.device("cuda", torch.cuda.current_device()))
     return model, optim
