@@ -137,10 +137,13 @@ def _ddp_state(ddp: Any, optim: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-#: The distributed optimizer's checkpoint format: states in the parameters' own shapes, so
-#: the checkpoint reshards across tensor, pipeline and data parallelism. (0.19's default,
-#: ``fully_sharded_model_space``, stops at "ShardedTensor.flattened_range is not supported".)
-_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+#: The distributed optimizer's checkpoint format: Megatron-LM's default (``dp_reshardable``,
+#: unless ``--dist-ckpt-optim-fully-reshardable``). The others fail in megatron-core 0.19.2
+#: on the GPU, before or after dcpstore: ``fully_sharded_model_space`` (the class's default)
+#: at save, "ShardedTensor.flattened_range is not supported"; ``fully_reshardable`` at load
+#: with torch's AdamW (no TransformerEngine or Apex), ``KeyError: 'step'`` in
+#: ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:1223).
+_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _ddp_sharded(ddp: Any, optim: Any, *, loading: bool) -> dict[str, Any]:
