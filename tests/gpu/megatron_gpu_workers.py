@@ -186,7 +186,12 @@ def ddp_resume(rank: int, world: int, uri: str) -> dict[str, Any]:
     _ddp_step(ddp, optim, step=7)  # optimizer state exists, with other values
     loaded = dist_checkpointing.load(_ddp_sharded(ddp, optim, loading=True), uri)
     ddp.module.load_state_dict(loaded["model"], strict=True)
-    optim.load_state_dict(loaded["optimizer"])
+    # fp32 parameters: the distributed optimizer's main parameters are views of the model's
+    # leaf parameters, which megatron-core 0.19.2 copies into in place outside no_grad
+    # ("a view of a leaf Variable that requires grad is being used in an in-place operation",
+    # distrib_optimizer.py:1225); bf16 training has separate fp32 main parameters
+    with torch.no_grad():
+        optim.load_state_dict(loaded["optimizer"])
     return {"state": _ddp_state(ddp, optim), "iteration": loaded["iteration"],
             "next_loss": _ddp_step(ddp, optim, 2)}
 
