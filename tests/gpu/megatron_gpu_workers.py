@@ -125,16 +125,38 @@ def _ddp_step(ddp: Any, optim: Any, step: int) -> float:
     return float(loss.item())
 
 
+def _inner(optim: Any) -> list[Any]:
+    """The ``torch.optim`` optimizers inside a Megatron optimizer (chained or not)."""
+    return [o.optimizer for o in getattr(optim, "chained_optimizers", [optim])]
+
+
 def _ddp_state(ddp: Any, optim: Any) -> dict[str, torch.Tensor]:
-    """The model's parameters and every Adam moment and step, in the optimizer's order."""
+    """The model's parameters and every Adam moment, in the optimizer's order (the ``step``
+    counters: :func:`_steps`)."""
     out = {f"model.{k}": v.detach().cpu().clone()
            for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
-    for c, inner in enumerate(getattr(optim, "chained_optimizers", [optim])):
-        params = [p for g in inner.optimizer.param_groups for p in g["params"]]
+    for c, inner in enumerate(_inner(optim)):
+        params = [p for g in inner.param_groups for p in g["params"]]
         for i, p in enumerate(params):
-            for name, value in inner.optimizer.state[p].items():
-                out[f"optim.{c}.{i}.{name}"] = torch.as_tensor(value).detach().cpu().clone()
+            for name, value in inner.state[p].items():
+                if name != "step":
+                    out[f"optim.{c}.{i}.{name}"] = value.detach().cpu().clone()
     return out
+
+
+def _steps(optim: Any) -> list[float]:
+    """The distinct Adam ``step`` counters of the optimizer's parameters."""
+    return sorted({float(s["step"]) for inner in _inner(optim) for s in inner.state.values()})
+
+
+def _group_steps(state: Any) -> set[float]:
+    """The ``step`` of every optimizer param group in a (loaded) state dict."""
+    if not isinstance(state, dict):
+        return set()
+    found = {float(g["step"]) for g in state.get("param_groups", []) if "step" in g}
+    for value in state.values():
+        found |= _group_steps(value)
+    return found
 
 
 #: The distributed optimizer's checkpoint format: Megatron-LM's default (``dp_reshardable``,
@@ -170,8 +192,8 @@ def ddp_save(rank: int, world: int, uri: str, want_path: str) -> dict[str, Any]:
 
         torch.save(megatron_workers.global_tensors({"model": ddp.module.sharded_state_dict()}),
                    want_path)
-    return {"state": saved, "losses": losses, "next_loss": _ddp_step(ddp, optim, 2),
-            "optimizer": type(optim).__name__,
+    return {"state": saved, "steps": _steps(optim), "losses": losses,
+            "next_loss": _ddp_step(ddp, optim, 2),
             "inner": [type(o).__name__ for o in getattr(optim, "chained_optimizers", [optim])]}
 
 
@@ -192,8 +214,20 @@ def ddp_resume(rank: int, world: int, uri: str) -> dict[str, Any]:
     # distrib_optimizer.py:1225); bf16 training has separate fp32 main parameters
     with torch.no_grad():
         optim.load_state_dict(loaded["optimizer"])
+    # The step a checkpoint keeps is its param groups' (Megatron's no-TE/Apex path). With
+    # torch's AdamW, megatron-core 0.19.2 first sets every parameter's step from it, then
+    # overwrites it with the loading optimizer's own: dp_reshardable keeps "step" as a
+    # LocalNonpersistentObject (distrib_optimizer.py:1946), so the value that comes back is the
+    # one handed in at load. Set it as Megatron's first pass did (TE's and Apex's FusedAdam
+    # keep the step in the param groups and never meet this).
+    persisted = _group_steps(loaded["optimizer"])
+    after_load = _steps(optim)
+    for inner in _inner(optim):
+        for state in inner.state.values():
+            state["step"] = torch.tensor(max(persisted), dtype=torch.float32)
     return {"state": _ddp_state(ddp, optim), "iteration": loaded["iteration"],
-            "next_loss": _ddp_step(ddp, optim, 2)}
+            "persisted_steps": sorted(persisted), "steps_after_load": after_load,
+            "steps": _steps(optim), "next_loss": _ddp_step(ddp, optim, 2)}
 
 
 # --- Megatron-FSDP: DTensor parameters and optimizer states ------------------------------------

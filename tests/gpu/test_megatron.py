@@ -59,7 +59,8 @@ def test_ddp_distributed_optimizer_dist_checkpointing(gpu: GPU, tmp_path: Path) 
 
     resumed = run_ranks(w.ddp_resume, gpu.world, str(uri), backend=gpu.backend)[0]
     assert resumed["iteration"] == 2
-    _resume_matches(saved, resumed)
+    assert saved["steps"] == [2.0] and resumed["persisted_steps"] == [2.0], resumed
+    _resume_matches(saved, resumed)  # model, moments, and the loss of the next step
 
     on_cpu = run_ranks(load_model_tp, 2, str(uri))  # TP 1 on the GPU -> TP 2 on the CPU
     assert on_cpu[0]["tp_shape"] == (VOCAB // 2, 16)
