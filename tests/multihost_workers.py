@@ -119,8 +119,27 @@ def op_killed_save(args: dict[str, Any]) -> dict[str, Any]:
     return {"saved": 2}
 
 
+def op_tier(args: dict[str, Any]) -> dict[str, Any]:
+    """A Checkpointer with a node-local tier (this host's ``DCPSTORE_TEST_TIER``): save
+    steps 1 and 2 and drain them (``"save"``), or load the newest (``"load"``)."""
+    tier = os.path.join(os.environ["DCPSTORE_TEST_TIER"], args["name"])
+    ckpt = dcpstore.Checkpointer(args["root"], local_tier=tier, **args["options"])
+    try:
+        if args["phase"] == "save":
+            for step in (1, 2):
+                ckpt.save(step, sharded(full_state(step)))
+            ckpt.wait()
+            return {"tier": tier}
+        state = zeros_like(sharded(full_state(2)))
+        loaded = ckpt.load(state)
+        return {"loaded": loaded, "where": ckpt.last_load["where"],
+                "mismatched": matches(state, full_state(2))}
+    finally:
+        ckpt.close()
+
+
 _OPS = {"save": op_save, "load": op_load, "checkpointer": op_checkpointer,
-        "killed_save": op_killed_save}
+        "killed_save": op_killed_save, "tier": op_tier}
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from multihost_workers import full_state
 import dcpstore
 from dcpstore.testing.hosts import Hosts, sweep
 from dcpstore.testing.servers import S3Server, isolate_env, seaweedfs_server
+from dcpstore.training.latest import step_dir
 
 WORKERS = str(Path(__file__).with_name("multihost_workers.py"))
 BUCKET = "multihost"
@@ -197,6 +198,34 @@ def test_one_host_killed_during_a_save(hosts: Hosts, s3: S3Server, tmp_path: Pat
     finally:
         ckpt.close()
     assert all(torch.equal(full[k], v) for k, v in _full(1).items())
+
+
+def test_node_local_tier_resumes_each_host_from_its_own_disk(
+        hosts: Hosts, s3: S3Server, tmp_path: Path) -> None:
+    """2 hosts x 2 ranks with a tier on each host's own disk. Every host gets the commit
+    record; a restart loads from the tier although no host holds another host's files
+    (the replicated items, written by one rank, reach the others over the process group).
+    A host whose copy of a file is not the committed one is ignored, and then the step
+    is on no host whole: it loads from the root."""
+    name = f"tier-{uuid.uuid4().hex[:8]}"
+    args = {"root": f"s3://{BUCKET}/{name}", "name": name, "options": _options(s3)}
+    saved = _job(hosts, tmp_path, "tier", {**args, "phase": "save"}, nhosts=2, nproc=2)
+    step_dirs = {h: Path(hosts[h].tier) / name / step_dir(2) for h in (0, 1)}
+    for host, ranks in _hosts_of(saved).items():
+        names = sorted(p.name for p in step_dirs[host].iterdir())
+        assert ".metadata" in names and any(n.startswith(".dcpstore-") for n in names), names
+        owners = {int(n.split("_")[2]) for n in names if n.startswith("__")}
+        assert owners == set(ranks), (host, names)  # its own ranks' files alone
+
+    loaded = _job(hosts, tmp_path, "tier", {**args, "phase": "load"}, nhosts=2, nproc=2)
+    assert all((r["loaded"], r["where"], r["mismatched"]) == (2, "local", []) for r in loaded), \
+        loaded
+
+    victim = next(p for p in step_dirs[1].iterdir() if p.name.startswith("__"))
+    victim.write_bytes(victim.read_bytes()[:-1])  # not the committed copy any more
+    loaded = _job(hosts, tmp_path, "tier", {**args, "phase": "load"}, nhosts=2, nproc=2)
+    assert all((r["loaded"], r["where"], r["mismatched"]) == (2, "remote", []) for r in loaded), \
+        loaded
 
 
 def _full(step: int) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 import dcpstore
 from dcpstore.dcp.read_plan import ItemRead
 from dcpstore.dcp.read_share import plan_sharing
+from dcpstore.errors import IncompleteCheckpointError
 from dcpstore.testing.faultproxy import FaultPlan, FaultProxy, RequestInfo
 
 pytestmark = pytest.mark.multiprocess
@@ -171,6 +172,37 @@ def test_plan_sharing_hsdp_pairs_and_windows() -> None:
             if rank in owners:
                 assert set(unit.needers) == ({0, 2} if rank % 2 == 0 else {1, 3})
     assert plan_sharing([_requests(shard[0]), _requests(shard[1])])[0].windows == []
+
+
+def test_plan_sharing_with_holders_routes_each_file_through_a_rank_that_has_it() -> None:
+    """A node-local tier on 2 hosts (ranks 0, 1 and 2, 3): a range only one rank needs is
+    shared when that rank's host lacks the file; owners always hold the file, needers
+    first; an owner that does not need the bytes sends them without receiving any."""
+    a, b = ("__0_0.distcp", 0, 1000), ("__2_0.distcp", 0, 1000)
+    holders = {"__0_0.distcp": [0, 1], "__2_0.distcp": [2, 3]}
+    # rank 1 needs a (its host has it: private), rank 2 needs a (shared, from 0 or 1),
+    # ranks 0 and 3 need b (3's host has it: 3 fetches it and sends it to 0)
+    plans = [_requests(b), _requests(a), _requests(a), _requests(b)]
+    shares = plan_sharing(plans, holders=holders)
+    units = {u.key: u for share in shares for w in share.windows for u in w if u.needers}
+    assert sorted(units) == [a, b]
+    assert units[a].needers == (1, 2) and {p.owner for p in units[a].pieces} == {1}
+    assert units[b].needers == (0, 3) and {p.owner for p in units[b].pieces} == {3}
+    # the one needer of a file its host lacks, the owner among holders that need nothing
+    lone = plan_sharing([_requests(), _requests(), _requests(a), _requests()],
+                        holders=holders)
+    owner_units = [u for w in lone[0].windows + lone[1].windows for u in w]
+    assert [(u.key, u.needers, {p.owner for p in u.pieces}) for u in owner_units] == [
+        (a, (2,), {0})]
+    assert not owner_units[0].needed_by(0)  # rank 0 sends, and receives nothing
+    received = [u for w in lone[2].windows for u in w]
+    assert [u.key for u in received] == [a] and received[0].needed_by(2)
+    assert lone[3].windows == [[]]  # in every window, with nothing to do
+    # a file no rank holds cannot be planned
+    with pytest.raises(IncompleteCheckpointError, match="no host holds a copy"):
+        plan_sharing([_requests(a), _requests()], holders={"__0_0.distcp": []})
+    # files the map does not name are read by each rank itself, as without holders
+    assert plan_sharing([_requests(a), _requests()], holders={})[0].windows == []
 
 
 def test_broadcast_reads_option_from_the_uri() -> None:

@@ -65,13 +65,15 @@ def get_reader(uri: URI | Resolved, *, backend: str | None = None,
             rank reads ``.metadata`` itself, and reads are shared only when the load
             runs over the whole world (a warning says so once).
         **options: :class:`~dcpstore.ReaderOptions` fields (``verify``,
-            ``coalesce_gap``, ``allow_pickle``, ...), the backend's options, and
-            ``_extension_registry``.
+            ``coalesce_gap``, ``allow_pickle``, ...), the backend's options,
+            ``_extension_registry`` and ``_file_holders`` (the Reader's
+            ``file_holders``: a checkpoint spread over several hosts' disks).
     """
     registry = options.pop("_extension_registry", None)
+    holders = options.pop("_file_holders", None)
     resolved = _resolved(uri, backend, "reader", options)
     return Reader(resolved.open_backend(), resolved.reader(), extension_registry=registry,
-                  rebind=resolved.rebind, process_group=process_group)
+                  rebind=resolved.rebind, process_group=process_group, file_holders=holders)
 
 
 def _resolved(uri: URI | Resolved, backend: str | None, role: Role,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from dcpstore.dcp.delivery import Delivery, damaged_file_error
 from dcpstore.dcp.read_plan import CoalescedRange, ItemRead
-from dcpstore.errors import decode_error, encode_error
+from dcpstore.errors import IncompleteCheckpointError, decode_error, encode_error
 from dcpstore.storage.backend import Backend, ReadRange, uninitialized_buffer
 from dcpstore.torch_internals import group_timeout
 
@@ -220,12 +220,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class SharedUnit:
-    """Bytes that several ranks (``needers``) need, in ``pieces`` fetched by one of them
-    each (a large unit is split, so that no rank fetches much more than its share)."""
+    """Bytes that several ranks (``needers``) need, or that the one rank needing them
+    cannot read itself, in ``pieces`` fetched by one rank each (a needer where one can
+    read the file; a large unit is split, so that no rank fetches much more than its
+    share). An owner that is not among the needers only fetches and sends."""
 
     key: UnitKey
     needers: tuple[int, ...]  # empty in the plan of a rank that sends none of it
     pieces: tuple[Piece, ...]
+
+    def needed_by(self, rank: int) -> bool:
+        """Whether ``rank`` (whose plan holds this unit) receives and delivers it."""
+        return not self.needers or rank in self.needers
 
 
 @dataclass
@@ -250,33 +256,44 @@ def _split(key: UnitKey, ways: int, min_piece: int) -> list[UnitKey]:
 
 
 def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
-                 window_bytes: int | None = None, min_piece: int | None = None
-                 ) -> list[RankShare]:
-    """Give every byte range that two or more ranks need to one of them.
+                 window_bytes: int | None = None, min_piece: int | None = None,
+                 holders: Mapping[str, Collection[int]] | None = None) -> list[RankShare]:
+    """Give every byte range that two or more ranks need to one of them; with
+    ``holders``, also every range that the one rank needing it cannot read.
 
     A range of at least twice ``min_piece`` is split into up to one piece per rank that
     needs it. Owners are chosen among those ranks in file order: a rank keeps the pieces
     that follow its last one while it fetches no more than its fair share (its part of
     every range it needs) plus a piece, else the piece goes to the rank furthest below
-    its share. The units are cut, in file order, into windows of about
-    ``window_bytes`` (a unit is never split over windows).
+    its share. With ``holders``, only ranks that hold the file own its pieces: needers
+    that hold it where there are any, else the holders (who then fetch and send only).
+    The units are cut, in file order, into windows of about ``window_bytes`` (a unit is
+    never split over windows).
 
     Args:
         requests: Each rank's read requests (:func:`~dcpstore.dcp.read_plan.plan_reads`).
         window_bytes: Shared bytes per window (default :data:`WINDOW_BYTES`).
         min_piece: Smallest piece a unit is split into (default :data:`MIN_PIECE`).
+        holders: For each file (``relative_path``), the ranks that can read it (a
+            node-local tier across hosts: the ranks of the hosts holding a copy). A file
+            it does not name, or ``None``: every rank reads it itself.
 
     Returns:
         One :class:`RankShare` per rank (all with the same number of windows).
+
+    Raises:
+        IncompleteCheckpointError: A needed file has no holder.
     """
     needers: dict[UnitKey, set[int]] = {}
     for rank, reqs in enumerate(requests):
         for req in reqs:
             needers.setdefault(unit_key(req), set()).add(rank)
-    shared = {k: tuple(sorted(r)) for k, r in needers.items() if len(r) >= 2}
+    fetchers = {k: _fetchers(k[0], r, holders) for k, r in needers.items()}
+    shared = {k: tuple(sorted(r)) for k, r in needers.items()
+              if len(r) >= 2 or not set(r) <= set(fetchers[k])}
     piece_size = MIN_PIECE if min_piece is None else min_piece
     window = WINDOW_BYTES if window_bytes is None else window_bytes
-    pieces = {k: _split(k, len(shared[k]), piece_size) for k in shared}
+    pieces = {k: _split(k, len(fetchers[k]), piece_size) for k in shared}
     # each rank's fair share: its part of every piece it needs
     fair = [0.0] * len(requests)
     for key, ranks in shared.items():
@@ -289,7 +306,7 @@ def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
     # each rank's pieces form long runs, fetched in few requests
     for key, piece in sorted(((k, p) for k in shared for p in pieces[k]),
                              key=lambda kp: kp[1]):
-        ranks = shared[key]
+        ranks = fetchers[key]
         if (previous is not None and previous[0] == piece[0] and previous[1] in ranks
                 and load[previous[1]] + piece[2] <= fair[previous[1]] + piece_size):
             owner = previous[1]
@@ -308,9 +325,23 @@ def plan_sharing(requests: Sequence[Sequence[ItemRead]], *,
                                       tuple(Piece(p, owners[p]) for p in pieces[key])))
         size += key[2]
     total = sum(k[2] for k in shared)
-    return [RankShare([[_for_rank(u, rank) for u in w if rank in u.needers] for w in windows],
-                      total)
+    return [RankShare([[_for_rank(u, rank) for u in w
+                        if rank in u.needers or any(p.owner == rank for p in u.pieces)]
+                       for w in windows], total)
             for rank in range(len(requests))]
+
+
+def _fetchers(path: str, needers: set[int], holders: Mapping[str, Collection[int]] | None
+              ) -> tuple[int, ...]:
+    """The ranks that may fetch a unit of ``path`` that ``needers`` need."""
+    held = None if holders is None else holders.get(path)
+    if held is None:  # not named: every rank reads it itself
+        return tuple(sorted(needers))
+    if not held:
+        raise IncompleteCheckpointError(
+            f"{path}: no rank of this load can read it (no host holds a copy); "
+            "load from the root instead")
+    return tuple(sorted(set(held) & needers or set(held)))
 
 
 def _for_rank(unit: SharedUnit, rank: int) -> SharedUnit:
@@ -471,7 +502,7 @@ def _window(ctx: ShareContext, window: list[SharedUnit],
             error: BaseException | None) -> BaseException | None:
     """One window: agree that every fetch worked, exchange, deliver. Returns this
     rank's error so far (the others hear of it at the next window's status)."""
-    transfers = [(p, u.needers) for u in window for p in u.pieces]
+    transfers = [(p, u) for u in window for p in u.pieces]
     data: dict[UnitKey, memoryview] = {}
     if error is None and fetched is not None:
         try:
@@ -489,12 +520,12 @@ def _window(ctx: ShareContext, window: list[SharedUnit],
                             f"bytes shared with rank {ctx.rank}; see their errors")
     sends: dict[int, list[Piece]] = {}
     recvs: dict[int, list[Piece]] = {}
-    for piece, needers in transfers:
+    for piece, unit in transfers:
         if piece.owner == ctx.rank:
-            for peer in needers:
+            for peer in unit.needers:
                 if peer != ctx.rank:
                     sends.setdefault(peer, []).append(piece)
-        else:
+        elif unit.needed_by(ctx.rank):
             recvs.setdefault(piece.owner, []).append(piece)
     ops: list[dist.P2POp] = []
     messages: dict[tuple[UnitKey, ...], torch.Tensor] = {}  # one copy per content

@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,15 +126,24 @@ class Reader(BoundToBackend, StorageReader):
             backend with the same options (set by :func:`dcpstore.get_reader`).
         process_group: The process group of the ``dcp.load`` this reader serves
             (``None``: the world). Not given: learnt from DCP's calls (see the module).
+        file_holders: For a checkpoint spread over several hosts' disks (a node-local
+            tier): for each data file, the ranks of ``process_group`` that can read it
+            through ``backend``. A rank's reads of a file it cannot read are fetched by
+            a rank that can and sent to it over the group (read sharing, always on
+            here). ``None``: every rank reads every file.
     """
 
     _bound_as = "this Reader loads from"
 
     def __init__(self, backend: Backend, options: ReaderOptions | None = None, *,
                  extension_registry: Any = None, rebind: Any = None,
-                 process_group: Any = UNSET) -> None:
+                 process_group: Any = UNSET,
+                 file_holders: Mapping[str, Collection[int]] | None = None) -> None:
         super().__init__(backend, rebind)
+        if file_holders is not None and process_group is UNSET:
+            raise ValueError("file_holders needs the load's process_group")
         self.process_group = process_group
+        self.file_holders = file_holders
         self.options = options or ReaderOptions()
         self._transforms = StorageReaderTransforms(extension_registry)
         self.storage_data: dict[MetadataIndex, StorageInfo] = {}
@@ -246,7 +256,7 @@ class Reader(BoundToBackend, StorageReader):
             requests = [plan_reads(p.items, self.storage_data, self.manifest, chunks,
                                    uri=self.backend.uri) for p in plans]
             del chunks
-            shares = list(read_share.plan_sharing(requests))
+            shares = list(read_share.plan_sharing(requests, holders=self.file_holders))
             del requests
             first = shares[0]
             if first is not None and first.shared_bytes:
@@ -383,6 +393,8 @@ class Reader(BoundToBackend, StorageReader):
     def _sharing_wanted(self) -> bool:
         """Whether reads are shared, per ``broadcast_reads`` (default: off for local
         files, which every rank reads at page-cache speed)."""
+        if self.file_holders is not None:
+            return True  # files a rank cannot read reach it only through the group
         wanted = self.options.broadcast_reads
         return not (wanted is False
                     or (wanted is None and isinstance(self.backend, LocalBackend)))

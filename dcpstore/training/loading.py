@@ -15,7 +15,7 @@ from dcpstore.dcp.api import load
 from dcpstore.errors import CheckpointNotFoundError, DcpstoreError
 from dcpstore.storage.resolve import reader_option_values, resolve
 from dcpstore.training.context import CheckpointerContext
-from dcpstore.training.local_tier import local_step_verified
+from dcpstore.training.host_tier import step_holders
 from dcpstore.training.steps import StepListing
 
 __all__ = ["Loader"]
@@ -109,8 +109,10 @@ class Loader:
         )
 
     def _load_local(self, state: dict[str, Any], step: int, options: dict[str, Any]) -> bool:
-        """Load ``step`` from the local tier (collective). ``False`` (nothing read) when a
-        rank's copy is not whole; raises when the read fails (a CRC32C mismatch too)."""
+        """Load ``step`` from the local tier (collective). ``False`` (nothing read) when
+        some file of the step is whole on no host; raises when the read fails (a CRC32C
+        mismatch too). Each file is read on a host that holds it
+        (:func:`~dcpstore.training.host_tier.step_holders`)."""
         path = self._config.local_step_path(step)
         assert path is not None
         # resolved once: the check below and the load use the same resolution; the reader
@@ -118,15 +120,14 @@ class Loader:
         # resolving the root's backend
         opts = {**reader_option_values(self._config.root_uri, self._config.given), **options}
         resolved = resolve(path, role="reader", **opts)
-        backend = resolved.open_backend()
-        try:
-            ok = local_step_verified(backend)
-        finally:
-            backend.close()
-        if not all(self._collectives.all_gather(ok)):
+        # on node-local disks each host holds its own ranks' files: which host holds what
+        holders = step_holders(path, self._collectives)
+        if holders is None:
             return False
-        extra = ({} if self._config.extension_registry is None
-                 else {"_extension_registry": self._config.extension_registry})
+        extra: dict[str, Any] = ({} if self._config.extension_registry is None
+                                 else {"_extension_registry": self._config.extension_registry})
+        if holders:  # a rank's reads of a file its host lacks come from one that has it
+            extra["_file_holders"] = holders
         try:
             load(state, resolved, process_group=self._collectives.group, **extra)
         except DcpstoreError as exc:

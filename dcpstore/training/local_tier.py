@@ -33,6 +33,7 @@ __all__ = [
     "Step",
     "copy_rank_files",
     "local_committed_steps",
+    "local_record",
     "local_step_verified",
     "probe_local_tier",
     "publish_step",
@@ -131,6 +132,16 @@ def local_step_verified(backend: Backend) -> bool:
     except Exception as exc:
         logger.info("local copy at %s is not usable (%s); reading the remote", backend.uri, exc)
         return False
+
+
+def local_record(local_step: str) -> Manifest | None:
+    """The manifest of the save committed at ``local_step``, checked against its
+    ``.metadata``; ``None`` (logged) where there is no such record or it does not match."""
+    try:
+        return _local_manifest(local_step)
+    except Exception as exc:
+        logger.info("local copy at %s has no usable commit record (%s)", local_step, exc)
+        return None
 
 
 def probe_local_tier(directory: str, need_bytes: int) -> str | None:

@@ -26,6 +26,7 @@ from dcpstore.training.background import BackgroundJobs
 from dcpstore.training.config import AsyncMode
 from dcpstore.training.context import CheckpointerContext
 from dcpstore.training.drain import Drainer
+from dcpstore.training.host_tier import spread_commit
 from dcpstore.training.local_tier import is_space_or_permission_error, probe_local_tier
 from dcpstore.training.writers import WriterFactory
 
@@ -188,6 +189,9 @@ class Saver:
         if target.where == "local":
             try:
                 self._dcp_save(step, state, self._writers.local(step), group)
+                step_path = self._config.local_step_path(step)
+                assert step_path is not None
+                spread_commit(step_path, self._collectives, group)  # node-local disks
                 self._pending.committed(step)
                 self._retention.retain_local(group)
                 return "local"
