@@ -123,17 +123,20 @@ def op_tier(args: dict[str, Any]) -> dict[str, Any]:
     """A Checkpointer with a node-local tier (this host's ``DCPSTORE_TEST_TIER``): save
     steps 1 and 2 and drain them (``"save"``), or load the newest (``"load"``)."""
     tier = os.path.join(os.environ["DCPSTORE_TEST_TIER"], args["name"])
-    ckpt = dcpstore.Checkpointer(args["root"], local_tier=tier, **args["options"])
+    ckpt = dcpstore.Checkpointer(args["root"], local_tier=tier,
+                                 local_replicas=args.get("replicas", 1), **args["options"])
     try:
         if args["phase"] == "save":
             for step in (1, 2):
-                ckpt.save(step, sharded(full_state(step)))
+                ckpt.save(step, sharded(full_state(step, args.get("scale", 1))))
             ckpt.wait()
-            return {"tier": tier}
-        state = zeros_like(sharded(full_state(2)))
+            copied = ckpt.last_replication
+            return {"tier": tier, "replication": None if copied is None else vars(copied)}
+        full = full_state(2, args.get("scale", 1))
+        state = zeros_like(sharded(full))
         loaded = ckpt.load(state)
         return {"loaded": loaded, "where": ckpt.last_load["where"],
-                "mismatched": matches(state, full_state(2))}
+                "seconds": ckpt.last_load["seconds"], "mismatched": matches(state, full)}
     finally:
         ckpt.close()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -208,7 +209,8 @@ def test_node_local_tier_resumes_each_host_from_its_own_disk(
     A host whose copy of a file is not the committed one is ignored, and then the step
     is on no host whole: it loads from the root."""
     name = f"tier-{uuid.uuid4().hex[:8]}"
-    args = {"root": f"s3://{BUCKET}/{name}", "name": name, "options": _options(s3)}
+    args = {"root": f"s3://{BUCKET}/{name}", "name": name, "options": _options(s3),
+            "replicas": 0}
     saved = _job(hosts, tmp_path, "tier", {**args, "phase": "save"}, nhosts=2, nproc=2)
     step_dirs = {h: Path(hosts[h].tier) / name / step_dir(2) for h in (0, 1)}
     for host, ranks in _hosts_of(saved).items():
@@ -226,6 +228,39 @@ def test_node_local_tier_resumes_each_host_from_its_own_disk(
     loaded = _job(hosts, tmp_path, "tier", {**args, "phase": "load"}, nhosts=2, nproc=2)
     assert all((r["loaded"], r["where"], r["mismatched"]) == (2, "remote", []) for r in loaded), \
         loaded
+
+
+def test_node_local_tier_replicas_survive_losing_a_host(
+        hosts: Hosts, s3: S3Server, tmp_path: Path) -> None:
+    """3 hosts x 2 ranks, one replica (the default): each host's files are copied to the
+    next host in the background, so each file is on exactly two hosts. Host 1 then loses
+    its disk; the restart loads every rank from the tier, host 1's files from the host
+    holding their copies, bit-exact."""
+    name = f"replicas-{uuid.uuid4().hex[:8]}"
+    args = {"root": f"s3://{BUCKET}/{name}", "name": name, "options": _options(s3)}
+    saved = _job(hosts, tmp_path, "tier", {**args, "phase": "save"}, nhosts=3, nproc=2)
+    for r in saved:
+        copied = r["replication"]
+        assert copied["step"] == 2 and copied["errors"] == [], copied
+        assert copied["files_received"] > 0 and copied["bytes_sent"] > 0, copied
+    step_dirs = [Path(hosts[h].tier) / name / step_dir(2) for h in range(3)]
+    where: dict[str, list[int]] = {}
+    for host, path in enumerate(step_dirs):
+        names = [p.name for p in path.iterdir()]
+        assert not any(n.endswith(".tmp") for n in names), names
+        for n in names:
+            if n.startswith("__"):
+                where.setdefault(n, []).append(host)
+    ranks_of = _hosts_of(saved)
+    for n, at in where.items():
+        origin = next(h for h, ranks in ranks_of.items() if int(n.split("_")[2]) in ranks)
+        assert sorted(at) == sorted({origin, (origin + 1) % 3}), (n, at)  # K+1 copies
+
+    shutil.rmtree(Path(hosts[1].tier) / name)  # host 1 is replaced: an empty disk
+    loaded = _job(hosts, tmp_path, "tier", {**args, "phase": "load"}, nhosts=3, nproc=2)
+    assert all((r["loaded"], r["where"], r["mismatched"]) == (2, "local", []) for r in loaded), \
+        loaded
+    assert (step_dirs[1] / ".metadata").is_file()  # the new host got the commit record
 
 
 def _full(step: int) -> dict[str, torch.Tensor]:

@@ -65,6 +65,7 @@ from dcpstore.training.latest import committed_steps as committed_steps
 from dcpstore.training.latest import step_dir as step_dir
 from dcpstore.training.loading import Loader
 from dcpstore.training.local_tier import DrainError, Step
+from dcpstore.training.replication import Replicated
 from dcpstore.training.retention import Retention
 from dcpstore.training.retention import delete_checkpoint as delete_checkpoint
 from dcpstore.training.root import Root
@@ -119,6 +120,11 @@ class Checkpointer:
             then drains to ``root_uri`` in the background. ``None``: no local tier.
         keep_last_local: Steps kept in the local tier (a step not yet on the remote is
             never deleted while it is the newest).
+        local_replicas: On node-local disks across several hosts: how many other hosts
+            get a copy of each host's files of a step, in the background before the
+            drain (default 1; 0: none). A restart after losing a host then reads its
+            files from the hosts holding copies, over the process group, instead of the
+            root. Capped at the number of other hosts; no two copies share a host.
         drain_retries: Retries of a failed drain before it is reported.
         drain_policy: ``"latest"`` (default): when a drain starts while a newer step is
             already committed locally and queued to drain, it is skipped and only the
@@ -157,6 +163,7 @@ class Checkpointer:
     root_uri: _Setting[str] = _Setting()
     keep_last: _Setting[int | None] = _Setting()
     keep_last_local: _Setting[int | None] = _Setting()
+    local_replicas: _Setting[int] = _Setting()
     async_mode: _Setting[AsyncMode] = _Setting()
     local_tier: _Setting[str | None] = _Setting()
     drain_retries: _Setting[int] = _Setting()
@@ -174,6 +181,7 @@ class Checkpointer:
         staging: StagingOptions | Stager | dict[str, bool] | bool | Any = None,
         local_tier: str | os.PathLike[str] | None = None,
         keep_last_local: int | None = 1,
+        local_replicas: int = 1,
         drain_retries: int = 2,
         drain_policy: Literal["latest", "every"] = "latest",
         incremental: bool = False,
@@ -184,8 +192,9 @@ class Checkpointer:
         config = checkpointer_config(
             root_uri, keep_last=keep_last, async_mode=async_mode, staging=staging,
             local_tier=local_tier, keep_last_local=keep_last_local,
-            drain_retries=drain_retries, drain_policy=drain_policy, incremental=incremental,
-            backend=backend, options=options)
+            local_replicas=local_replicas, drain_retries=drain_retries,
+            drain_policy=drain_policy, incremental=incremental, backend=backend,
+            options=options)
         self._config: CheckpointerConfig = config
         self._collectives = Collectives(process_group)
         self._root = Root(config)  # before any process starts: an unknown option fails here
@@ -236,6 +245,13 @@ class Checkpointer:
     def skipped_drains(self) -> list[int]:
         """Steps whose drain was skipped: a newer step was committed locally first."""
         return self._drainer.skipped
+
+    @property
+    def last_replication(self) -> Replicated | None:
+        """What the newest step's copy to other hosts did on this rank (``local_replicas``;
+        ``None`` before the first): files and bytes sent and received, seconds, and the
+        errors of every rank."""
+        return self._drainer.replicated
 
     def __repr__(self) -> str:
         tier = f", local_tier={self.local_tier!r}" if self.local_tier else ""

@@ -70,14 +70,14 @@ class Collectives:
         """Whether this process is rank 0 of ``group``."""
         return self.rank(group) == 0
 
-    def broadcast(self, value: Any, group: Any = None) -> Any:
-        """Rank 0's ``value``, on every rank."""
+    def broadcast(self, value: Any, group: Any = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``value`` (a rank of ``group``), on every rank."""
         if not is_distributed():
             return value
         group = self._or_default(group)
         box = [value]
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=group)
+        root = dist.get_global_rank(group, src) if group is not None else src
+        dist.broadcast_object_list(box, src=root, group=group)
         return box[0]
 
     def all_gather(self, value: Any, group: Any = None) -> list[Any]:

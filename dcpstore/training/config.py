@@ -37,6 +37,7 @@ class CheckpointerConfig:
     root_uri: str
     keep_last: int | None = None
     keep_last_local: int | None = 1
+    local_replicas: int = 1
     async_mode: AsyncMode = None
     local_tier: str | None = None
     drain_retries: int = 2
@@ -69,6 +70,7 @@ def checkpointer_config(
     staging: Any,
     local_tier: str | os.PathLike[str] | None,
     keep_last_local: int | None,
+    local_replicas: int,
     drain_retries: int,
     drain_policy: DrainPolicy,
     incremental: bool,
@@ -100,6 +102,8 @@ def checkpointer_config(
         raise ValueError(f"keep_last_local must be >= 1 or None, got {keep_last_local}")
     if async_mode not in (None, "thread", "process"):
         raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+    if local_replicas < 0:
+        raise ValueError(f"local_replicas must be >= 0, got {local_replicas}")
     if drain_retries < 0:
         raise ValueError(f"drain_retries must be >= 0, got {drain_retries}")
     if drain_policy not in ("latest", "every"):
@@ -111,6 +115,7 @@ def checkpointer_config(
         root_uri=str(root_uri).rstrip("/"),
         keep_last=keep_last,
         keep_last_local=keep_last_local,
+        local_replicas=local_replicas,
         async_mode=async_mode,
         local_tier=os.path.abspath(os.fspath(local_tier)) if local_tier else None,
         drain_retries=drain_retries,

@@ -20,6 +20,7 @@ from dcpstore.storage.backend import Backend
 from dcpstore.training.context import CheckpointerContext
 from dcpstore.training.latest import step_dir
 from dcpstore.training.local_tier import DrainError, copy_rank_files, publish_step
+from dcpstore.training.replication import Replicated, replicate_step
 
 if TYPE_CHECKING:
     from dcpstore.training.retention import Retention
@@ -103,6 +104,7 @@ class Drainer:
         self.retention = retention
         self.pending = pending
         self.skipped: list[int] = []
+        self.replicated: Replicated | None = None
 
     def drain_after(self, write: Future[Any], step: int) -> str | None:
         """Drain ``step`` once its background ``write`` committed it locally."""
@@ -150,6 +152,9 @@ class Drainer:
         coordinator = rank == 0
         uri = self._config.step_uri(step)
         retries = self._config.drain_retries
+        if self._config.local_replicas:  # node-local disks: copies on other hosts first
+            self.replicated = replicate_step(step, local, self._collectives, group,
+                                             self._config.local_replicas)
         remote = self._root.backend.child(step_dir(step))
         problems: list[str] = []
         try:

@@ -33,7 +33,7 @@ from dcpstore.dcp.manifest import Manifest
 from dcpstore.training.collectives import Collectives
 from dcpstore.training.local_tier import LocalTierUnavailable, local_record
 
-__all__ = ["HOST_MARKER", "host_id", "spread_commit", "step_holders"]
+__all__ = ["HOST_MARKER", "first_ranks", "host_id", "spread_commit", "step_holders"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def host_id(tier: str) -> str:
     raise LocalTierUnavailable(f"{path} stays empty; remove it and start again")
 
 
-def _first_ranks(hosts: list[str]) -> dict[str, int]:
+def first_ranks(hosts: list[str]) -> dict[str, int]:
     """Each host's lowest rank."""
     first: dict[str, int] = {}
     for rank, host in enumerate(hosts):
@@ -105,25 +105,37 @@ def _write_durably(path: str, data: bytes) -> None:
 
 
 def spread_commit(step_path: str, collectives: Collectives, group: Any = None) -> int:
-    """After a step's local commit: write the coordinator's ``.metadata`` and manifest
-    into every other host's copy of the step (manifest first, ``.metadata`` last, as a
-    commit). Collective over ``group``.
+    """Write the step's commit record (``.metadata`` and the manifest) into every host's
+    copy of the step that lacks it (manifest first, ``.metadata`` last, as a commit),
+    from the lowest rank whose host has it: after a local commit (the coordinator's),
+    and before a local load (a host that lost its disk). Collective over ``group``.
 
     Returns:
-        How many hosts got them (0 on one host or a shared filesystem).
+        How many hosts got it (0 on one host or a shared filesystem, or when no host has
+        a record to give).
     """
     tier = os.path.dirname(os.path.abspath(step_path))
     mine = (host_id(tier), os.path.isfile(os.path.join(step_path, layout.METADATA_KEY)))
     views = collectives.all_gather(mine, group)
     lacking = {host for host, committed in views if not committed}
-    if not lacking:
+    givers = [rank for rank, (_, committed) in enumerate(views) if committed]
+    if not lacking or not givers:
         return 0
-    record = collectives.share(
-        (lambda: _record(step_path)) if collectives.is_coordinator(group) else None,
-        f"reading the commit record of {step_path} on the coordinator failed", group)
     rank = collectives.rank(group)
+    record: tuple[bytes, str, bytes] | str | None = None
+    if rank == givers[0]:
+        try:
+            record = _record(step_path)
+        except Exception as exc:
+            record = f"{type(exc).__name__}: {exc}"
+    record = collectives.broadcast(record, group, src=givers[0])
+    if isinstance(record, str) or record is None:
+        logger.warning("the commit record of %s could not be read on rank %d (%s): the "
+                       "hosts lacking it load that step from the root", step_path,
+                       givers[0], record)
+        return 0
     host = views[rank][0]
-    if host in lacking and _first_ranks([h for h, _ in views])[host] == rank:
+    if host in lacking and first_ranks([h for h, _ in views])[host] == rank:
         raw, name, manifest = record
         try:
             os.makedirs(step_path, exist_ok=True)
@@ -132,7 +144,7 @@ def spread_commit(step_path: str, collectives: Collectives, group: Any = None) -
         except OSError as exc:  # the step is committed; this host just cannot list it
             logger.warning("could not copy the commit record of %s to this host (%s): a "
                            "restart loads that step from the root", step_path, exc)
-    collectives.barrier(group)  # every host lists the step once save() returns
+    collectives.barrier(group)  # every host holds the record when this returns
     return len(lacking)
 
 

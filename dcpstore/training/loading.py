@@ -15,7 +15,7 @@ from dcpstore.dcp.api import load
 from dcpstore.errors import CheckpointNotFoundError, DcpstoreError
 from dcpstore.storage.resolve import reader_option_values, resolve
 from dcpstore.training.context import CheckpointerContext
-from dcpstore.training.host_tier import step_holders
+from dcpstore.training.host_tier import spread_commit, step_holders
 from dcpstore.training.steps import StepListing
 
 __all__ = ["Loader"]
@@ -61,7 +61,7 @@ class Loader:
             # resolving the root (importing its client library) happens on that thread too
             threading.Thread(target=_fill, args=(listing, self._newest_at_root),
                              name="dcpstore-list", daemon=True).start()
-        common = self._listing.local_common(step)
+        common = self._listing.local_any(step)
         candidate = max(common) if step is None and common else step
         loaded: int | None = None
         local_error: BaseException | None = None
@@ -120,7 +120,9 @@ class Loader:
         # resolving the root's backend
         opts = {**reader_option_values(self._config.root_uri, self._config.given), **options}
         resolved = resolve(path, role="reader", **opts)
-        # on node-local disks each host holds its own ranks' files: which host holds what
+        # on node-local disks each host holds its own ranks' files (and other hosts'
+        # replicas): the commit record to every host, then which host holds what
+        spread_commit(path, self._collectives)
         holders = step_holders(path, self._collectives)
         if holders is None:
             return False

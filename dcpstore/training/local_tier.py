@@ -37,6 +37,7 @@ __all__ = [
     "local_step_verified",
     "probe_local_tier",
     "publish_step",
+    "rank_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,16 @@ def _mine(name: str, rank: int, coordinator: bool) -> bool:
     if m is None:
         return False  # the manifest: published with .metadata
     return int(m.group(1)) == rank
+
+
+def rank_files(local_step: str, rank: int) -> list[tuple[str, int]]:
+    """The data files rank ``rank`` wrote into the local step, with their sizes, by name."""
+    try:
+        names = sorted(os.listdir(local_step))
+    except OSError:
+        return []
+    return [(n, os.path.getsize(os.path.join(local_step, n)))
+            for n in names if _mine(n, rank, False)]
 
 
 def copy_rank_files(local_step: str, remote: Backend, rank: int, coordinator: bool,

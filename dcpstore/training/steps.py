@@ -62,6 +62,15 @@ class StepListing:
     def local_common(self, only: int | None = None) -> set[int]:
         """Steps committed in every rank's local tier; with ``only``, that step alone
         (its ``.metadata`` checked, no listing). Collective."""
+        return set.intersection(*self._local_views(only))
+
+    def local_any(self, only: int | None = None) -> set[int]:
+        """Steps committed in some rank's local tier (on node-local disks, a host that
+        lost its disk lists none; whether the others' copies and replicas make a step
+        whole is :func:`~dcpstore.training.host_tier.step_holders`'s answer). Collective."""
+        return set.union(*self._local_views(only))
+
+    def _local_views(self, only: int | None) -> list[set[int]]:
         tier = self._config.local_tier
         assert tier is not None
         if only is None:
@@ -70,7 +79,7 @@ class StepListing:
             path = self._config.local_step_path(only)
             assert path is not None
             mine = {only} if os.path.isfile(os.path.join(path, layout.METADATA_KEY)) else set()
-        return set.intersection(*self._collectives.all_gather(mine))
+        return self._collectives.all_gather(mine)
 
 
 def _newest(newest_remote: int | None, local: set[int]) -> Step | None:
