@@ -417,19 +417,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="4GiB", help="state size (default 4GiB)")
     p.add_argument("--tensors", type=int, default=64, help="tensors (default 64)")
     p.add_argument("--saves", type=int, default=5, help="saves per system (default 5)")
-    p.add_argument("--compute-s", type=float, default=2.0,
-                   help="seconds of GPU work per training step (default 2)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="seconds of GPU work per training step (default 2; --quick: 0.05; "
+                        "0: the in-place update and one matmul)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--quick", action="store_true",
-                   help="16 MiB, 4 tensors, 2 saves, 0.05 s steps (a smoke test)")
+                   help="16 MiB, 4 tensors, 2 saves, 0.05 s steps unless --compute-s says "
+                        "otherwise (a smoke test)")
     p.add_argument("--out", default=None, help="directory for results.json / results.md")
     p.add_argument("--commit", default=None,
                    help="the commit to record (default: git's HEAD where the script lies)")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.tensors, args.saves, args.compute_s = "16MiB", 4, 2, 0.05
+        args.size, args.tensors, args.saves = "16MiB", 4, 2
+    if args.compute_s is None:
+        args.compute_s = 0.05 if args.quick else 2.0
     return args
 
 

@@ -1,17 +1,37 @@
-"""The command line, run as a subprocess."""
+"""The command line, run as a subprocess.
+
+Each ``run_cli`` command is a fresh process of its own, forked from one that imported
+torch and dcpstore once (:class:`cli_fork.ForkedCLI`): ``python -m dcpstore ARGS`` without paying
+torch's import per command. The tests of how a real process starts and ends (a closed
+stdout pipe, a pipe into ``head``) run ``python -m dcpstore`` itself.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+from cli_fork import ForkedCLI
+
+_cli: ForkedCLI | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_cli() -> Iterator[None]:
+    global _cli
+    with ForkedCLI() as server:
+        _cli = server
+        yield
+    _cli = None
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcpstore", *args], capture_output=True, text=True, timeout=300
-    )
+    assert _cli is not None
+    proc = _cli.run(*args)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -39,7 +59,6 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import dcpstore  # noqa: E402

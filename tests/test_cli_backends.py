@@ -1,20 +1,22 @@
 """The CLI against the object-store backends: S3 (moto), GCS (fake-gcs-server), MSC.
 
-Every command runs as a subprocess configured only through the environment, as a user
-would run it.
+Every command runs as a process of its own configured only through the environment, as
+a user would run it: ``python -m dcpstore ARGS`` forked from a server that imported
+torch, dcpstore and the store clients once (:class:`cli_fork.ForkedCLI`).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from cli_fork import ForkedCLI
 
 import dcpstore
 from dcpstore.testing.servers import FakeGCSServer, S3Server, msc_s3_profile, scrubbed_environ
@@ -41,21 +43,28 @@ def env(
     })
 
 
-def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcpstore", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+#: Imported once by the fork server (the store clients' libraries and dcpstore's plugins).
+PRELOAD = ("boto3", "gcsfs", "multistorageclient", "dcpstore_s3", "dcpstore_gcs",
+           "dcpstore_msc")
+
+
+@pytest.fixture(scope="module")
+def server(env: dict[str, str]) -> Iterator[ForkedCLI]:
+    """Runs the commands, each in a fresh process with the environment ``env``."""
+    with ForkedCLI(env, preload=PRELOAD) as forked:
+        yield forked
+
+
+def cli(server: ForkedCLI, *args: str, check: bool = True
+        ) -> subprocess.CompletedProcess[str]:
+    proc = server.run(*args)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
 def test_commands_across_backends(
-    env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    env: dict[str, str], server: ForkedCLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = uuid.uuid4().hex[:8]
     local = tmp_path / "run" / "step-000000001"
@@ -65,15 +74,15 @@ def test_commands_across_backends(
     gs = f"gs://{BUCKET}/{run}/step-000000001"
     msc = f"msc://cli/{run}-msc/step-000000001"
 
-    cli(env, "cp", str(local), s3)  # local -> s3
-    cli(env, "cp", s3, gs)  # s3 -> gcs
-    cli(env, "cp", gs, msc)  # gcs -> msc
+    cli(server, "cp", str(local), s3)  # local -> s3
+    cli(server, "cp", s3, gs)  # s3 -> gcs
+    cli(server, "cp", gs, msc)  # gcs -> msc
     for uri in (s3, gs, msc):
-        assert json.loads(cli(env, "verify", uri, "--json").stdout)["ok"] is True
-        info = json.loads(cli(env, "inspect", uri, "--json").stdout)
+        assert json.loads(cli(server, "verify", uri, "--json").stdout)["ok"] is True
+        info = json.loads(cli(server, "inspect", uri, "--json").stdout)
         assert {k["key"] for k in info["keys"]} == {"w", "b", "meta.k"}
         root = uri.rsplit("/", 1)[0]
-        rows = json.loads(cli(env, "ls", root, "--json").stdout)
+        rows = json.loads(cli(server, "ls", root, "--json").stdout)
         assert [(r["step"], r["committed"]) for r in rows] == [(1, True)]
 
     for key, value in env.items():
@@ -86,10 +95,10 @@ def test_commands_across_backends(
     dcpstore.load(out, msc)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
 
-    cli(env, "export", gs, str(tmp_path / "w.safetensors"), "--format", "safetensors")
+    cli(server, "export", gs, str(tmp_path / "w.safetensors"), "--format", "safetensors")
     for uri in (s3, gs, msc):
-        cli(env, "rm", uri)
-        missing = cli(env, "inspect", uri, check=False)
+        cli(server, "rm", uri)
+        missing = cli(server, "inspect", uri, check=False)
         assert missing.returncode == 1 and "CheckpointNotFoundError" in missing.stderr
-        gc = json.loads(cli(env, "gc", uri.rsplit("/", 1)[0], "--min-age", "0", "--json").stdout)
+        gc = json.loads(cli(server, "gc", uri.rsplit("/", 1)[0], "--min-age", "0", "--json").stdout)
         assert gc["objects"] == []

@@ -28,6 +28,7 @@ Quick seeded subset by default; ``--full`` runs more seeds and bigger states.
 from __future__ import annotations
 
 import contextlib
+import copy
 import http.client
 import http.server
 import json
@@ -92,9 +93,16 @@ def _via(store: Store, proxy: FaultProxy, **extra: Any) -> dict[str, Any]:
         opts.update(part_size=256 * KiB, connect_timeout=TIMEOUT)
     elif store.kind == "azure":  # its one timeout is the connect and the read timeout
         opts.update(part_size=MiB)
-    else:  # msc: its S3 profile sets the client's connect timeout
+    else:  # msc: its S3 profile sets the client's timeouts (below)
         opts.update(part_size=5 * MiB)
     opts.update(extra)
+    if store.kind == "msc":  # the profile's own (5 s, 30 s) would outlast a "delay" fault
+        config = copy.deepcopy(opts["config"])
+        for profile in config["profiles"].values():
+            profile["storage_provider"]["options"].update(
+                connect_timeout=opts.get("connect_timeout", opts["timeout"]),
+                read_timeout=opts["timeout"])
+        opts["config"] = config
     if store.kind == "azure":
         opts.pop("connect_timeout", None)  # no such option: ``timeout`` covers connecting
     return opts
