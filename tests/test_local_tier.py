@@ -92,7 +92,8 @@ def test_commits_locally_then_drains_and_tells_where(tmp_path: Path,
     steps = ckpt.steps()
     assert steps == [2, 3] and [s.where for s in steps] == ["remote", "both"]
     assert ckpt.latest() == 3 and ckpt.latest().where == "both"  # type: ignore[union-attr]
-    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-000000003"]  # keep_last_local=1
+    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == [
+        "step-000000003"]  # keep_last_local=1
     assert verify_checkpoint(str(remote / "step-000000003")).ok
     # load prefers the verified local copy ...
     sources = _Sources(monkeypatch)
@@ -402,7 +403,8 @@ def _rank_tiered(rank: int, world_size: int, remote: str, local: str, other: str
     ckpt.load(out)
     local_ok = torch.equal(out["d"].to_local(), (full + 1).chunk(world_size)[rank])
     ckpt.close()
-    # rank 1 restarts on "another node" (an empty local tier): every rank reads the remote
+    # rank 1 restarts on "another node" (an empty local tier): it gets the commit record,
+    # and its bytes from rank 0's disk over the process group; the root is not read
     tier = local if rank == 0 else other
     again = dcpstore.Checkpointer(remote, local_tier=tier, **options)
     where_again = [(int(s), s.where) for s in again.steps()]
@@ -425,7 +427,9 @@ def test_two_ranks_local_tier_with_seaweedfs(tmp_path: Path, seaweed: Store) -> 
         assert r["ok"] == [True, True]
         assert r["where"] == [(2, "both")]
         assert r["sources"][0] == str(tmp_path / "local" / "step-000000002")
-        assert r["sources"][1] == f"{remote}/step-000000002"
+    assert [r["sources"][1] for r in results] == [
+        str(tmp_path / tier / "step-000000002") for tier in ("local", "other")]
+    assert (tmp_path / "other" / "step-000000002" / ".metadata").is_file()
     assert verify_checkpoint(f"{remote}/step-000000002", **seaweed.options).ok
 
 
@@ -509,7 +513,8 @@ def test_slow_drains_coalesce_latest_wins(mode: str | None, tmp_path: Path) -> N
         assert _SlowRemote.entered.wait(60)
         for step in (6, 7):
             again.save(step, _state(step))
-        assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-000000005", "step-000000007"]
+        assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == [
+            "step-000000005", "step-000000007"]
         _SlowRemote.gate.set()
         again.wait()
         assert again.skipped_drains == [6]

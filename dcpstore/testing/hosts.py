@@ -279,6 +279,20 @@ class Hosts:
                         "256kb", "latency", "200ms"], check=True, capture_output=True)
 
 
+    def throttle_gateway(self, mbit: float) -> None:
+        """Limit what the machine's side of the bridge sends to the hosts (a server bound
+        to :attr:`gateway`: a remote store's downloads) to ``mbit`` Mbit/s in all. The
+        hosts' traffic to each other is bridged, not sent by the machine: unaffected."""
+        subprocess.run(["tc", "qdisc", "replace", "dev", self.bridge, "root", "tbf", "rate",
+                        f"{mbit}mbit", "burst", "1mb", "latency", "200ms"], check=True,
+                       capture_output=True)
+
+    def unthrottle_gateway(self) -> None:
+        """Remove :meth:`throttle_gateway`'s limit."""
+        subprocess.run(["tc", "qdisc", "del", "dev", self.bridge, "root"], check=False,
+                       capture_output=True)
+
+
 def _free_network() -> ipaddress.IPv4Network:
     """A ``10.x.y.0/24`` that no interface of this machine uses."""
     used = _ip("-4", "-o", "addr", "show").stdout

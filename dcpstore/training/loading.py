@@ -61,16 +61,21 @@ class Loader:
             # resolving the root (importing its client library) happens on that thread too
             threading.Thread(target=_fill, args=(listing, self._newest_at_root),
                              name="dcpstore-list", daemon=True).start()
-        common = self._listing.local_any(step)
-        candidate = max(common) if step is None and common else step
+        listed = self._listing.local_any(step)
+        # newest first; a step no host holds whole is passed over for the next one (a
+        # cheap check: only the first whole step is read)
+        candidates = sorted(listed, reverse=True) if step is None else [step]
+        candidate: int | None = None  # the step whose local read failed, if one did
         loaded: int | None = None
         local_error: BaseException | None = None
-        if candidate is not None and candidate in common:
+        for tried in (c for c in candidates if c in listed):
             try:
-                if self._load_local(state, candidate, options):
-                    loaded = candidate
+                if self._load_local(state, tried, options):
+                    loaded = tried
+                    break
             except DcpstoreError as exc:
-                local_error = exc
+                candidate, local_error = tried, exc
+                break
 
         if step is not None:
             if loaded is not None:
