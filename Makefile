@@ -37,7 +37,7 @@ endif
 PIP = $(QUIET_PIP) $(BIN)/python -m pip
 STEP = @echo "==> setup:"
 
-.PHONY: setup demo test test-matrix test-matrix-run matrix-venvs seed-venvs test-seeds test-seeds-run lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves test-gpu bench-gpu clean
+.PHONY: setup demo test test-matrix test-matrix-run matrix-venvs seed-venvs test-seeds test-seeds-run lint typecheck bench bench-quick bench-stall bench-stall-quick bench-curves bench-multihost test-gpu bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -178,6 +178,13 @@ bench-stall: setup
 
 bench-stall-quick: setup
 	$(BIN)/python -m benchmarks.stall --quick --out benchmarks/results/tmp/stall-quick
+
+# The node-local tier across hosts (issue 32; docs/scale.md "Several hosts"): 3 hosts made of
+# network namespaces (root, iproute2), 2 ranks each, 256 MiB per rank, SeaweedFS throttled to
+# 200 MiB/s: restarts after losing a host from the tier's replicas against the root, the
+# save's figures, and 20 kill runs. About 20 minutes on 2 cores.
+bench-multihost: setup
+	$(BIN)/python -m benchmarks.multihost --out benchmarks/results/multihost
 
 # The scaling curves (docs/performance.md, "Scaling curves"): world size 1/2/4/8 and
 # state size 1/4/8 GiB, local and SeaweedFS: ~25 min on 2 quiet cores (the estimate it
