@@ -9,13 +9,8 @@ and leaves with ``os._exit(0)`` after a clean finish (gloo can abort at interpre
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcpstore
+from dcpstore.testing.hosts import run_rank_op
 
 #: Rows of each sharded tensor (divisible by 1 to 4 ranks... and by 3).
 _ROWS = 96
@@ -145,31 +141,5 @@ _OPS = {"save": op_save, "load": op_load, "checkpointer": op_checkpointer,
         "killed_save": op_killed_save, "tier": op_tier}
 
 
-def main() -> None:
-    op, args = sys.argv[1], json.loads(sys.argv[2])
-    # a rank whose peers' host is gone fails after this, instead of waiting 30 minutes
-    timeout = args.get("pg_timeout", 180)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-    # a rank stuck anyway says where, and goes (the test then names it)
-    faulthandler.dump_traceback_later(2 * timeout + 30, exit=True)
-    rank = dist.get_rank()
-    record: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(),
-                              "host": int(os.environ["DCPSTORE_TEST_HOST"]),
-                              "local_rank": int(os.environ["LOCAL_RANK"])}
-    try:
-        record.update(status="ok", **_OPS[op](args))
-        dist.barrier()
-    except BaseException as exc:  # reported, judged by the test
-        record.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                      traceback=traceback.format_exc())
-    path = os.path.join(args["out"], f"{op}-rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if record["status"] == "ok" else 1)
-
-
 if __name__ == "__main__":
-    main()
+    run_rank_op(_OPS)

@@ -29,13 +29,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from dcpstore.testing.servers import free_port
 
-__all__ = ["Host", "Hosts", "available", "sweep"]
+__all__ = ["Host", "Hosts", "available", "run_rank_op", "sweep"]
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +291,48 @@ class Hosts:
         """Remove :meth:`throttle_gateway`'s limit."""
         subprocess.run(["tc", "qdisc", "del", "dev", self.bridge, "root"], check=False,
                        capture_output=True)
+
+
+def run_rank_op(ops: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]],
+                argv: Sequence[str] | None = None) -> NoReturn:
+    """The body of a rank that :meth:`Hosts.torchrun` starts: ``<op> <json args>``.
+
+    Joins the gloo group (its timeout: ``args["pg_timeout"]``, default 180 s, so a rank
+    whose peers' host is gone fails instead of waiting 30 minutes), runs ``ops[op](args)``
+    and writes ``<args["out"]>/<op>-rank<rank>.json``: ``status`` ``"ok"`` with the op's
+    record, or ``"error"`` with the error and its traceback, plus the rank, the world
+    size, the host (``DCPSTORE_TEST_HOST``) and the local rank. Leaves with ``os._exit``
+    (gloo can abort at interpreter exit); a rank stuck anyway dumps where, and goes.
+    """
+    import faulthandler
+    import json
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    op, raw = (sys.argv[1:3] if argv is None else argv)
+    args = json.loads(raw)
+    timeout = args.get("pg_timeout", 180)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    faulthandler.dump_traceback_later(2 * timeout + 30, exit=True)
+    rank = dist.get_rank()
+    record: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(),
+                              "host": int(os.environ["DCPSTORE_TEST_HOST"]),
+                              "local_rank": int(os.environ["LOCAL_RANK"])}
+    try:
+        record.update(status="ok", **ops[op](args))
+        dist.barrier()
+    except BaseException as exc:  # reported, judged by whoever started the job
+        record.update(status="error", error=f"{type(exc).__name__}: {exc}",
+                      traceback=traceback.format_exc())
+    path = os.path.join(args["out"], f"{op}-rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if record["status"] == "ok" else 1)
 
 
 def _free_network() -> ipaddress.IPv4Network:

@@ -198,7 +198,8 @@ def delete_checkpoint(ckpt: Backend, *, spare_saves_in_progress: bool = False) -
         # a save writes its manifest just before its .metadata: the saves with one are
         # the committed save (and one it replaced); the others are still writing
         committed = {layout.save_id_of(k) for k in keys if k.startswith(".dcpstore-")}
-        spared = [k for k in keys if layout.save_id_of(k) not in committed | {None}]
+        committed.add(None)  # files of no save (.metadata, the pointer) are not spared
+        spared = [k for k in keys if layout.save_id_of(k) not in committed]
         if spared:
             logger.info("retention of %s: keeping %d files of a save in progress there",
                         ckpt.uri, len(spared))
