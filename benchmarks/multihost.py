@@ -17,8 +17,9 @@ It measures:
   disk is empty: its files come from the host holding their replicas), and from the root
   (a Checkpointer without a local tier). The figure is the slowest rank's
   ``last_load["seconds"]``;
-- **kill runs** (``--kills``): step 1 committed, then every process of host 1 is
-  SIGKILLed at a random moment of step 2's save (its local write, replication or drain);
+- **kill runs** (``--kills``, at ``--kill-size`` per rank): step 1 committed, then every
+  process of host 1 is SIGKILLed at a random moment of step 2's save, 0 to
+  ``--kill-window`` seconds in (its local write, replication or drain);
   host 1 comes back with an empty disk and the job resumes. Every rank must load the same
   step, and hold exactly that step's values: nothing torn or mixed.
 
@@ -126,11 +127,12 @@ def restart_runs(h: Harness, name: str, runs: int, seed: int) -> dict[str, list[
     return times
 
 
-def kill_run(h: Harness, index: int, rng: random.Random) -> dict[str, Any]:
+def kill_run(h: Harness, index: int, rng: random.Random, size: int, window: float
+             ) -> dict[str, Any]:
     name = f"kill-{index}-{uuid.uuid4().hex[:6]}"
-    args = h.args(name, pg_timeout=20)
+    args = {**h.args(name, pg_timeout=15), "size": size}
     out, procs = h.start("killed", args)
-    delay = rng.uniform(0.0, 3.0)
+    delay = rng.uniform(0.0, window)
     deadline = time.monotonic() + JOB_TIMEOUT
     try:
         while not (out / "step2-started").exists():
@@ -146,7 +148,7 @@ def kill_run(h: Harness, index: int, rng: random.Random) -> dict[str, Any]:
         h.stop(procs)
     reported = records(out, "killed", 6, ok=False)
     h.wipe(1, name)  # it comes back with an empty disk
-    got = h.run("resume", h.args(name))
+    got = h.run("resume", {**h.args(name), "size": size})
     loaded = {r["loaded"] for r in got}
     torn = [r for r in got if r["holds"] != r["loaded"]]
     steps = {tuple(r["steps"]) for r in got}
@@ -191,10 +193,16 @@ def render(results: dict[str, Any]) -> str:
     torn = sum(bool(k["torn_ranks"]) for k in kills)
     resumed = [k["loaded"] for k in kills]
     lines += [f"## Kill runs: {len(kills)}\n",
-              f"Host 1 killed 0-3 s into step 2's save, then resumed with an empty disk: "
-              f"torn or mixed: **{torn}**; every rank loaded the same step in "
+              f"{format_bytes(r['kill_size'])} per rank; host 1 killed 0-{r['kill_window']:g} s "
+              "into step 2's save (its local write, replication or drain), then resumed with "
+              f"an empty disk: torn or mixed: **{torn}**; every rank loaded the same step in "
               f"{sum(len(x) == 1 for x in resumed)} of {len(kills)}; resumed step 1 in "
-              f"{sum(x == [1] for x in resumed)}, step 2 in {sum(x == [2] for x in resumed)}.\n"]
+              f"{sum(x == [1] for x in resumed)}, step 2 in {sum(x == [2] for x in resumed)} "
+              f"(from the tier in {sum(k['where'] == ['local'] for k in kills)}).\n",
+              "| run | killed after, s | resumed step | from | save finished on ranks |",
+              "|--:|--:|--:|---|---|"]
+    lines += [f"| {i} | {k['delay_s']:.2f} | {k['loaded']} | {', '.join(k['where'])} | "
+              f"{k['save_finished_on']} |" for i, k in enumerate(kills)]
     return "\n".join(lines)
 
 
@@ -204,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="256MiB", help="state per rank (256MiB)")
     parser.add_argument("--runs", type=int, default=5, help="restarts each way (5)")
     parser.add_argument("--kills", type=int, default=20, help="kill runs (20)")
+    parser.add_argument("--kill-size", default="64MiB",
+                        help="state per rank of the kill runs (64MiB: each run is a save, "
+                             "a kill and a resume)")
+    parser.add_argument("--kill-window", type=float, default=12.0,
+                        help="host 1 is killed 0 to this many seconds into step 2's save "
+                             "(12: past the local write, replication and drain at 64MiB)")
     parser.add_argument("--remote-mibps", type=float, default=200.0,
                         help="the store's send rate to the hosts, MiB/s (200)")
     parser.add_argument("--seed", type=int, default=0)
@@ -239,13 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             print("restarts after losing host 1", flush=True)
             restart = restart_runs(h, name, a.runs, a.seed)
             rng = random.Random(a.seed + 1)
-            kills = [kill_run(h, i, rng) for i in range(a.kills)]
+            kill_size = parse_size(a.kill_size)
+            kills = [kill_run(h, i, rng, kill_size, a.kill_window) for i in range(a.kills)]
         finally:
             hosts.unthrottle_gateway()
     results = {"commit": commit, "size": size, "remote_mibps": a.remote_mibps,
                "machine": machine_info(), "versions": versions(),
                "seconds": time.time() - started, "save": save, "restart": restart,
-               "kills": kills}
+               "kill_size": kill_size, "kill_window": a.kill_window, "kills": kills}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "results.md").write_text(render(results))
     shutil.rmtree(out / "jobs", ignore_errors=True)

@@ -3,21 +3,17 @@ host made of a network namespace (:mod:`dcpstore.testing.hosts`).
 
     python -m torch.distributed.run ... benchmarks/multihost_worker.py <op> <json args>
 
-Each rank writes ``<out>/<op>-rank<rank>.json`` and leaves with ``os._exit`` (gloo can
-abort at interpreter exit). The state is ``size`` bytes per rank in 4 float32 DTensors
-sharded by rows, each rank's rows drawn from a seed of (step, rank), so any world of the
-same size can check what it loaded without the whole state.
+Each rank writes ``<out>/<op>-rank<rank>.json`` and leaves with ``os._exit``
+(:func:`dcpstore.testing.hosts.run_rank_op`). The state is ``size`` bytes per rank in 4
+float32 DTensors sharded by rows, each rank's rows drawn from a seed of (step, rank), so
+any world of the same size can check what it loaded without the whole state.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import dcpstore
+from dcpstore.testing.hosts import run_rank_op
 
 _TENSORS = 4
 _COLS = 1024
@@ -149,25 +146,6 @@ def op_resume(args: dict[str, Any]) -> dict[str, Any]:
 _OPS = {"save": op_save, "load": op_load, "killed": op_killed, "resume": op_resume}
 
 
-def main() -> None:
-    op, args = sys.argv[1], json.loads(sys.argv[2])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.get("pg_timeout", 120)))
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    record: dict[str, Any] = {"rank": rank, "host": int(os.environ["DCPSTORE_TEST_HOST"])}
-    try:
-        record.update(status="ok", **_OPS[op](args))
-        dist.barrier()
-    except BaseException as exc:  # reported, judged by the harness
-        record.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                      traceback=traceback.format_exc())
-    path = os.path.join(args["out"], f"{op}-rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
-    sys.stdout.flush()
-    os._exit(0 if record["status"] == "ok" else 1)
-
-
 if __name__ == "__main__":
-    main()
+    torch.set_num_threads(1)
+    run_rank_op(_OPS)
