@@ -141,8 +141,11 @@ def kill_run(h: Harness, index: int, rng: random.Random, size: int, window: floa
             time.sleep(0.02)
         time.sleep(delay)
         h.hosts.kill_host(h.hosts[1], procs[1])
+        # the other hosts' ranks fail within the group's timeout; their torchrun then stops
+        # its remaining workers (which may not get to report) and waits for the dead host
         survivors = [out / f"killed-rank{r}.json" for r in (0, 1, 4, 5)]
-        while not all(p.exists() for p in survivors) and time.monotonic() < deadline:
+        while (time.monotonic() < deadline and not all(p.exists() for p in survivors)
+               and not all(p.poll() is not None for p in (procs[0], procs[2]))):
             time.sleep(0.2)
     finally:
         h.stop(procs)
@@ -170,8 +173,18 @@ def render(results: dict[str, Any]) -> str:
              f"on the bridge, its sends throttled to {r['remote_mibps']} MiB/s; commit "
              f"{r['commit']}.\n"]
     restart = r["restart"]
+    if restart:
+        lines += _render_restart(restart)
+    if r["save"]:
+        lines += _render_save(r["save"])
+    if r["kills"]:
+        lines += _render_kills(r)
+    return "\n".join(lines)
+
+
+def _render_restart(restart: dict[str, list[float]]) -> list[str]:
     med = {k: statistics.median(v) for k, v in restart.items()}
-    lines += ["## Restart after losing host 1 (slowest rank's load, s)\n",
+    lines = ["## Restart after losing host 1 (slowest rank's load, s)\n",
               "| from | median | min | max | runs |", "|---|--:|--:|--:|--:|"]
     for way in ("peers", "remote"):
         v = restart[way]
@@ -179,8 +192,11 @@ def render(results: dict[str, Any]) -> str:
                      f" | {med[way]:.2f} | {min(v):.2f} | {max(v):.2f} | {len(v)} |")
     lines.append(f"\nFrom the tier: **{med['remote'] / med['peers']:.1f}x** faster than from "
                  "the root (target: 3x).\n")
-    s = r["save"]
-    lines += ["## The save of step 2 (median over ranks)\n",
+    return lines
+
+
+def _render_save(s: dict[str, Any]) -> list[str]:
+    return ["## The save of step 2 (median over ranks)\n",
               f"- `save()` blocked: {s['blocked_s']:.3f} s; durable (local commit, "
               f"replication and drain): {s['durable_s']:.2f} s",
               f"- a training step: {s['quiet_step_s'] * 1e3:.1f} ms with nothing in flight, "
@@ -189,10 +205,13 @@ def render(results: dict[str, Any]) -> str:
               f"- replication: {s['replication_s']:.2f} s; {format_bytes(s['bytes_sent'])} "
               f"sent over the hosts' network in all ({format_bytes(s['bytes_per_rank'])} per "
               f"rank: each rank's files once to one other host); errors: {s['errors']}\n"]
+
+
+def _render_kills(r: dict[str, Any]) -> list[str]:
     kills = r["kills"]
     torn = sum(bool(k["torn_ranks"]) for k in kills)
     resumed = [k["loaded"] for k in kills]
-    lines += [f"## Kill runs: {len(kills)}\n",
+    lines = [f"## Kill runs: {len(kills)}\n",
               f"{format_bytes(r['kill_size'])} per rank; host 1 killed 0-{r['kill_window']:g} s "
               "into step 2's save (its local write, replication or drain), then resumed with "
               f"an empty disk: torn or mixed: **{torn}**; every rank loaded the same step in "
@@ -203,7 +222,7 @@ def render(results: dict[str, Any]) -> str:
               "|--:|--:|--:|---|---|"]
     lines += [f"| {i} | {k['delay_s']:.2f} | {k['loaded']} | {', '.join(k['where'])} | "
               f"{k['save_finished_on']} |" for i, k in enumerate(kills)]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(12: past the local write, replication and drain at 64MiB)")
     parser.add_argument("--remote-mibps", type=float, default=200.0,
                         help="the store's send rate to the hosts, MiB/s (200)")
+    parser.add_argument("--phases", nargs="+", default=["save", "restart", "kills"],
+                        choices=["save", "restart", "kills"],
+                        help="what to run (restart needs save)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results folder")
     a = parser.parse_args(argv)
@@ -235,38 +257,48 @@ def main(argv: list[str] | None = None) -> int:
         try:
             h = Harness(hosts, store.endpoint_url, size, out)
             name = f"run-{uuid.uuid4().hex[:6]}"
-            print(f"saving 3 x 2 x {format_bytes(size)} with replicas", flush=True)
-            saved = h.run("save", h.args(name, replicas=1, steps=5))
-            reps = [r["replication"] for r in saved]
-            save = {
-                "blocked_s": statistics.median(r["blocked_s"] for r in saved),
-                "durable_s": statistics.median(r["durable_s"] for r in saved),
-                "quiet_step_s": statistics.median(r["quiet_step_s"] for r in saved),
-                "busy_step_s": statistics.median(r["busy_step_s"] or 0 for r in saved),
-                "busy_steps": int(statistics.median(r["busy_steps"] for r in saved)),
-                "replication_s": statistics.median(x["seconds"] for x in reps),
-                "bytes_sent": sum(x["bytes_sent"] for x in reps),
-                "bytes_per_rank": statistics.median(x["bytes_sent"] for x in reps),
-                "errors": sorted({e for x in reps for e in x["errors"]}),
-                "per_rank": saved,
-            }
-            print("restarts after losing host 1", flush=True)
-            restart = restart_runs(h, name, a.runs, a.seed)
+            save: dict[str, Any] | None = None
+            restart: dict[str, list[float]] | None = None
+            if "save" in a.phases:
+                print(f"saving 3 x 2 x {format_bytes(size)} with replicas", flush=True)
+                save = summarize_save(h.run("save", h.args(name, replicas=1, steps=5)))
+            if "restart" in a.phases and save is not None:
+                print("restarts after losing host 1", flush=True)
+                restart = restart_runs(h, name, a.runs, a.seed)
             rng = random.Random(a.seed + 1)
             kill_size = parse_size(a.kill_size)
-            kills = [kill_run(h, i, rng, kill_size, a.kill_window) for i in range(a.kills)]
+            kills = ([kill_run(h, i, rng, kill_size, a.kill_window) for i in range(a.kills)]
+                     if "kills" in a.phases else [])
         finally:
             hosts.unthrottle_gateway()
     results = {"commit": commit, "size": size, "remote_mibps": a.remote_mibps,
                "machine": machine_info(), "versions": versions(),
-               "seconds": time.time() - started, "save": save, "restart": restart,
-               "kill_size": kill_size, "kill_window": a.kill_window, "kills": kills}
+               "seconds": time.time() - started, "phases": a.phases, "save": save,
+               "restart": restart, "kill_size": kill_size, "kill_window": a.kill_window,
+               "kills": kills}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "results.md").write_text(render(results))
     shutil.rmtree(out / "jobs", ignore_errors=True)
     print(render(results))
     torn = sum(bool(k["torn_ranks"]) or len(k["loaded"]) != 1 for k in kills)
     return 1 if torn else 0
+
+
+def summarize_save(saved: list[dict[str, Any]]) -> dict[str, Any]:
+    """The save job's figures: medians over ranks, the replication's bytes in all."""
+    reps = [r["replication"] for r in saved]
+    return {
+        "blocked_s": statistics.median(r["blocked_s"] for r in saved),
+        "durable_s": statistics.median(r["durable_s"] for r in saved),
+        "quiet_step_s": statistics.median(r["quiet_step_s"] for r in saved),
+        "busy_step_s": statistics.median(r["busy_step_s"] or 0 for r in saved),
+        "busy_steps": int(statistics.median(r["busy_steps"] for r in saved)),
+        "replication_s": statistics.median(x["seconds"] for x in reps),
+        "bytes_sent": sum(x["bytes_sent"] for x in reps),
+        "bytes_per_rank": statistics.median(x["bytes_sent"] for x in reps),
+        "errors": sorted({e for x in reps for e in x["errors"]}),
+        "per_rank": saved,
+    }
 
 
 if __name__ == "__main__":
