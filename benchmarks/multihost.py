@@ -243,11 +243,25 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["save", "restart", "kills"],
                         help="what to run (restart needs save)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from-jobs", default=None,
+                        help="write the save and restart figures of a stopped run from "
+                             "its jobs folder instead of running (with --commit)")
+    parser.add_argument("--commit", default=None, help="the stopped run's commit")
     parser.add_argument("--out", required=True, help="results folder")
     a = parser.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     size = parse_size(a.size)
+    if a.from_jobs:
+        save, restart = from_jobs(Path(a.from_jobs))
+        results = {"commit": a.commit, "assembled_from": a.from_jobs, "size": size,
+                   "remote_mibps": a.remote_mibps, "machine": machine_info(),
+                   "versions": versions(), "phases": ["save", "restart"], "save": save,
+                   "restart": restart, "kills": []}
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "results.md").write_text(render(results))
+        print(render(results))
+        return 0
     commit = git_commit(dirty=True)
     started = time.time()
     sweep()
@@ -282,6 +296,25 @@ def main(argv: list[str] | None = None) -> int:
     print(render(results))
     torn = sum(bool(k["torn_ranks"]) or len(k["loaded"]) != 1 for k in kills)
     return 1 if torn else 0
+
+
+def from_jobs(jobs: Path) -> tuple[dict[str, Any] | None, dict[str, list[float]]]:
+    """The save and restart figures of a stopped run, from its job records
+    (``<out>/jobs/<op>-<id>/``, kept until a run ends): what it would have written."""
+    save = None
+    restart: dict[str, list[float]] = {"peers": [], "remote": []}
+    for job in sorted(jobs.iterdir()):
+        op = job.name.split("-")[0]
+        if op == "save":
+            save = summarize_save(records(job, "save", 6))
+        elif op == "load":
+            got = records(job, "load", 6)
+            ways = {r["where"] for r in got}
+            if len(ways) != 1 or any((r["loaded"], r["holds"]) != (2, 2) for r in got):
+                raise RuntimeError(f"{job}: a restart that went wrong: {got}")
+            restart["peers" if ways == {"local"} else "remote"].append(
+                max(r["seconds"] for r in got))
+    return save, restart
 
 
 def summarize_save(saved: list[dict[str, Any]]) -> dict[str, Any]:
