@@ -1,14 +1,16 @@
 """Facts about the machine and the checkout every suite records (a leaf module).
 
 :data:`REPO` (the checkout), :func:`machine_info` and :func:`versions` (what a results
-file says it ran on), :func:`git_commit`, :func:`check_memory` (whether a case fits in
-the memory free now) and a suite's results folder (:func:`add_output_args`,
-:func:`default_out`).
+file says it ran on), :func:`git_commit` and :func:`checkout` (the commit a run really
+ran at; a dirty tree is refused unless ``--allow-dirty``), :func:`check_memory`
+(whether a case fits in the memory free now) and a suite's results folder
+(:func:`add_output_args`, :func:`default_out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -19,8 +21,8 @@ from typing import Any
 
 from .workload import format_bytes
 
-__all__ = ["REPO", "add_output_args", "check_memory", "default_out", "git_commit", "machine_info",
-           "versions"]
+__all__ = ["REPO", "DirtyTree", "add_output_args", "check_memory", "checkout", "default_out",
+           "git_commit", "machine_info", "versions"]
 
 #: The checkout's root.
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +36,9 @@ def add_output_args(parser: argparse.ArgumentParser, prefix: str, rebuilds: str)
     parser.add_argument("--render", type=Path, metavar="DIR",
                         help=f"only rebuild {rebuilds} from DIR/results.json")
     parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results from a tree with uncommitted changes (the "
+                        "results then record the diff's SHA-256; see checkout())")
 
 
 def default_out(prefix: str) -> Path:
@@ -41,6 +46,48 @@ def default_out(prefix: str) -> Path:
     ``--out`` is not given."""
     return REPO / "benchmarks" / "results" / "tmp" / (
         f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+#: What does not make a tree dirty: the benchmarks' own outputs (``make bench``'s second
+#: command runs after the first one wrote them).
+_OUTPUTS = (":(exclude)benchmarks/results", ":(exclude)docs/img")
+
+
+class DirtyTree(RuntimeError):
+    """A run would write results from a tree with uncommitted changes to tracked files,
+    and was not told it may (``--allow-dirty``)."""
+
+
+def checkout(*, allow_dirty: bool = False) -> dict[str, Any]:
+    """The commit a run really runs at, for its results: ``{"commit", "dirty",
+    "diff_sha256"}``. Results name a commit only when they came from it: a tree whose
+    tracked files differ from ``HEAD`` (the benchmarks' outputs aside) raises
+    :class:`DirtyTree` unless ``allow_dirty``, and then the diff's SHA-256 is recorded
+    so the run can be matched to the change it measured.
+
+    Raises:
+        DirtyTree: uncommitted changes and not ``allow_dirty``.
+    """
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
+                              text=True, timeout=30, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        diff = git("diff", "HEAD", "--binary", "--", ".", *_OUTPUTS)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None, "diff_sha256": None}
+    if not diff:
+        return {"commit": commit, "dirty": False, "diff_sha256": None}
+    if not allow_dirty:
+        changed = git("diff", "HEAD", "--name-only", "--", ".", *_OUTPUTS).split()
+        raise DirtyTree(
+            f"uncommitted changes to {len(changed)} tracked file(s) ({', '.join(changed[:5])}"
+            f"{', ...' if len(changed) > 5 else ''}): results would name {commit} without "
+            "having run it. Commit first, or pass --allow-dirty (the results then record "
+            "the diff's SHA-256)")
+    return {"commit": commit, "dirty": True,
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()}
 
 
 def git_commit(*, dirty: bool = False) -> str | None:
@@ -53,7 +100,7 @@ def git_commit(*, dirty: bool = False) -> str | None:
                                 capture_output=True, text=True, timeout=10).stdout.strip()
         if commit and dirty and subprocess.run(
                 ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no",
-                 "--", ".", ":(exclude)benchmarks/results", ":(exclude)docs/img"],
+                 "--", ".", *_OUTPUTS],
                 capture_output=True, text=True, timeout=10).stdout.strip():
             commit += " (with uncommitted changes)"
     except (OSError, subprocess.SubprocessError):

@@ -24,7 +24,7 @@ from typing_extensions import Buffer
 
 import dcpstore
 from dcpstore.dcp import layout
-from dcpstore.dcp.packing import _item_nbytes, _pack_items
+from dcpstore.dcp.packing import _item_nbytes, _pack_items, _split_items
 from dcpstore.dcp.writer import Writer
 from dcpstore.storage.backend import BackendOptions, ObjectInfo, Upload
 from dcpstore.storage.options import AUTO_MAX_FILES, WriterOptions, resolve_options
@@ -278,6 +278,51 @@ def test_pack_items_counts_a_shard_by_its_own_bytes() -> None:
     assert [_item_nbytes(i) for i in shards] == [4] * 8
     files = _pack_items(shards, capacity=16, max_files=AUTO_MAX_FILES)
     assert [sum(_item_nbytes(i) for i in f) for f in files] == [16, 16]
+
+
+def _in_plan_order(files: list[list[WriteItem]], items: list[WriteItem]) -> bool:
+    order = [i.index.fqn for i in items]
+    return all([i.index.fqn for i in f] == sorted((i.index.fqn for i in f), key=order.index)
+               for f in files)
+
+
+def test_packing_keeps_the_plan_order_inside_every_file() -> None:
+    # sizes that largest-first placement would reorder: 0.weight, 0.bias, 1.weight, ...
+    items: list[WriteItem] = []
+    for layer, nbytes in enumerate([6, 9, 2, 7, 4]):
+        items += [_item(f"{layer}.weight", nbytes), _item(f"{layer}.bias", 1)]
+    items.append(_byte_item("extra"))
+    for files in (_pack_items(items, capacity=12, max_files=AUTO_MAX_FILES),
+                  _pack_items(items, capacity=12, max_files=2),  # spread evenly instead
+                  _split_items(items, 3)):
+        assert len(files) > 1
+        assert sorted(i.index.fqn for f in files for i in f) == sorted(
+            i.index.fqn for i in items)
+        assert _in_plan_order(files, items), [[i.index.fqn for i in f] for f in files]
+
+
+def test_automatic_layout_writes_neighbouring_keys_in_plan_order() -> None:
+    # through a save with files of about 1 MiB: inside each data file, the offsets rise
+    # in the state dict's order
+    MemoryBackend.create_bucket("order")
+    try:
+        sizes = [0.5, 2.0, 0.25, 1.5, 1.0, 0.75]
+        state = {f"{n}.weight": torch.full((int(mib * MiB) // 4,), float(n))
+                 for n, mib in enumerate(sizes)}
+        backend = _WindowedMemory("order/ckpt", BackendOptions(part_size=MiB,
+                                                               max_concurrency=4))
+        dcp.save(state, storage_writer=Writer(backend), no_dist=True)
+        metadata = dcpstore.Reader(MemoryBackend("order/ckpt")).read_metadata()
+        per_file: dict[str, list[tuple[int, str]]] = {}
+        for index, info in metadata.storage_data.items():
+            per_file.setdefault(info.relative_path, []).append((info.offset, index.fqn))
+        assert len(per_file) > 1
+        order = list(state)
+        for path, placed in per_file.items():
+            keys = [fqn for _, fqn in sorted(placed)]
+            assert keys == sorted(keys, key=order.index), (path, keys)
+    finally:
+        MemoryBackend.delete_bucket("order")
 
 
 def test_files_per_rank_option_values() -> None:

@@ -43,10 +43,21 @@ def _file_bytes(items: Sequence[WriteItem]) -> int:
                                   else _TENSOR_HEADROOM) for i in items)
 
 
+def _in_plan_order(items: Sequence[WriteItem],
+                   buckets: list[list[WriteItem]]) -> list[list[WriteItem]]:
+    """``buckets`` without empty ones, each in the save plan's order. Packing chooses
+    which file an item goes to, never the order within one: neighbouring keys stay
+    neighbours in a file (as in torch's ``FileSystemWriter``), so a reader that
+    coalesces adjacent items (s3torchconnector's optimized loading) reads a run of them
+    in one range."""
+    position = {id(item): n for n, item in enumerate(items)}
+    return [sorted(b, key=lambda item: position[id(item)]) for b in buckets if b]
+
+
 def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Spread items over ``bins`` files: byte items round-robin, tensors largest-first
-    into the emptiest file. Empty bins are dropped. One file keeps the save plan's order
-    (as torch's ``FileSystemWriter`` does), so neighbouring keys stay neighbours."""
+    into the emptiest file, each file then in plan order (:func:`_in_plan_order`).
+    Empty bins are dropped."""
     if bins <= 1:
         return [list(items)] if items else []
     buckets: list[list[WriteItem]] = [[] for _ in range(max(1, bins))]
@@ -61,7 +72,7 @@ def _split_items(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]
         idx = sizes.index(min(sizes))
         buckets[idx].append(item)
         sizes[idx] += _item_nbytes(item)
-    return [b for b in buckets if b]
+    return _in_plan_order(items, buckets)
 
 
 def _pack_items(items: Sequence[WriteItem], capacity: int,
@@ -70,7 +81,8 @@ def _pack_items(items: Sequence[WriteItem], capacity: int,
     largest-first into the first file with room (a tensor larger than ``capacity`` gets
     a file of its own), byte items (small pickles) round-robin. Where that would take
     more than ``max_files`` files, the items are spread evenly over ``max_files``
-    instead (:func:`_split_items`). Empty files are dropped."""
+    instead (:func:`_split_items`). Empty files are dropped; each file keeps the
+    plan's order (:func:`_in_plan_order`)."""
     if capacity < 1:
         raise ValueError(f"preferred object size must be >= 1 byte, got {capacity}")
     tensors = sorted(
@@ -100,7 +112,7 @@ def _pack_items(items: Sequence[WriteItem], capacity: int,
     byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
     for n, item in enumerate(byte_items):
         buckets[n % len(buckets)].append(item)
-    return [b for b in buckets if b]
+    return _in_plan_order(items, buckets)
 
 
 def _layout(
