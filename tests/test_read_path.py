@@ -89,6 +89,53 @@ def test_codec_damaged_archive_is_an_error() -> None:
         decode_tensor(memoryview(raw[: len(raw) // 2]))
 
 
+def test_codec_decodes_each_archive_layout_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcpstore.dcp import codec
+
+    monkeypatch.setattr(codec, "_LAYOUTS", codec._Layouts())
+    parsed: list[int] = []
+    full = codec._decode_in_place
+    monkeypatch.setattr(codec, "_decode_in_place", lambda v: parsed.append(1) or full(v))
+
+    def archive(t: torch.Tensor, writer: Any = encode_tensor) -> bytearray:
+        buf = io.BytesIO()
+        writer(t, buf)
+        return bytearray(buf.getvalue())
+
+    layers = [torch.randn(64, 32) for _ in range(6)]
+    raws = [archive(t) for t in layers]
+    for t, raw in zip(layers, raws, strict=True):
+        decoded = decode_tensor(memoryview(raw))
+        assert torch.equal(decoded, t) and decoded.stride() == t.stride()
+        base = torch.frombuffer(raw, dtype=torch.uint8).data_ptr()
+        assert base <= decoded.data_ptr() < base + len(raw)  # still zero-copy
+    assert len(parsed) == 1  # six same-shaped layers: one zip parse and unpickle
+    # a scatter read (head, payload in its destination, tail) matches the same layout
+    raw = raws[0]
+    start = bytes(raw).index(bytes(layers[0].numpy().tobytes()[:64]))
+    stop = start + 64 * 32 * 4
+    target = torch.empty(64, 32)
+    target.view(-1).view(torch.uint8)[:] = torch.frombuffer(raw[start:stop], dtype=torch.uint8)
+    pieces = [memoryview(raw)[:start], memoryview(target.numpy()).cast("B"),
+              memoryview(raw)[stop:]]
+    assert decode_tensor(pieces).data_ptr() == target.data_ptr() and len(parsed) == 1
+    # another dtype or shape, and torch's own archives (a CRC32 per record: the bytes
+    # outside the payload differ per content), are parsed in full
+    decode_tensor(memoryview(archive(torch.randn(32, 64))))
+    decode_tensor(memoryview(archive(torch.randn(64, 32).double())))
+    assert len(parsed) == 3
+    for t in layers[:2]:
+        assert torch.equal(decode_tensor(memoryview(archive(t, torch.save))), t)
+    assert len(parsed) == 5
+    # a byte changed outside the payload is no match: the archive is parsed (and refused)
+    tampered = bytearray(raws[1])
+    at = bytes(tampered).index(b"_rebuild_tensor_v2")
+    tampered[at:at + 4] = b"XXXX"
+    with pytest.raises(pickle.UnpicklingError, match="XXXXuild_tensor_v2"):
+        decode_tensor(memoryview(tampered))
+    assert len(parsed) == 6
+
+
 # -- reader --------------------------------------------------------------------------------
 
 

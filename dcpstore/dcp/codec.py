@@ -12,6 +12,13 @@ so torch's readers load dcpstore checkpoints. Two things differ from calling
   the pickle is run by torch's ``weights_only`` unpickler, and the storage it asks for
   is a view of the fetched bytes. ``torch.load`` on a buffer would copy the payload
   once more into a fresh storage.
+- **Once per layout.** Without the archive CRC, an item's bytes outside its payload
+  (zip headers, ``data.pkl``, directory) depend only on the tensor's dtype, shape and
+  strides. So after one item is decoded, the next whose non-payload bytes are
+  byte-identical is the same archive around other payload bytes: its tensor is built
+  from the remembered dtype, shape and strides over its own payload, without parsing
+  the zip or running the unpickler again (:class:`_Layouts`). A model's many
+  same-shaped layers pay for one decode each.
 
 Both fall back to ``torch.save`` / ``torch.load`` where the fast path does not apply
 (an archive torch did not write this way, byte order different from the machine's).
@@ -27,6 +34,7 @@ import logging
 import pickle
 import struct
 import sys
+import threading
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -153,6 +161,64 @@ class _NotFast(Exception):
     """The archive is not one the zero-copy path handles; use ``torch.load``."""
 
 
+class _Layout:
+    """A decoded archive's non-payload bytes and what its tensor is over its payload."""
+
+    __slots__ = ("dtype", "head", "offset", "size", "start", "stop", "stride", "tail")
+
+    def __init__(self, view: _Pieces, start: int, stop: int, tensor: torch.Tensor) -> None:
+        self.start, self.stop = start, stop
+        self.head = bytes(view.slice(0, start))
+        self.tail = bytes(view.slice(stop, len(view)))
+        self.dtype, self.size, self.stride = tensor.dtype, tensor.size(), tensor.stride()
+        self.offset = tensor.storage_offset()
+
+    def matches(self, view: _Pieces) -> bool:
+        return (bytes(view.slice(0, self.start)) == self.head
+                and bytes(view.slice(self.stop, len(view))) == self.tail)
+
+    def build(self, view: _Pieces) -> torch.Tensor:
+        storage = torch.frombuffer(view.slice(self.start, self.stop), dtype=self.dtype)
+        return storage.as_strided(self.size, self.stride, self.offset)
+
+
+class _Layouts:
+    """The archive layouts decoded so far, by item length (bounded; thread-safe). An
+    item matches one when every byte outside the payload record is the same, so only
+    archives without per-content fields qualify: dcpstore's (no CRC32; torch's writer
+    records one per record, so its archives never match and are decoded in full)."""
+
+    _MAX = 512
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_length: dict[int, list[_Layout]] = {}
+        self._count = 0
+
+    def find(self, view: _Pieces) -> _Layout | None:
+        with self._lock:
+            candidates = list(self._by_length.get(len(view), ()))
+        return next((c for c in candidates if c.matches(view)), None)
+
+    def remember(self, view: _Pieces, start: int, stop: int, tensor: torch.Tensor) -> None:
+        # only a plain dense tensor over exactly this one record is rebuilt by a view
+        if (type(tensor) is not torch.Tensor or tensor.requires_grad or tensor.is_conj()
+                or tensor.is_neg() or tensor.layout != torch.strided or tensor.is_quantized
+                or stop <= start
+                or tensor.untyped_storage().nbytes() != stop - start):
+            return
+        layout = _Layout(view, start, stop, tensor)
+        with self._lock:
+            if self._count >= self._MAX:
+                self._by_length.clear()
+                self._count = 0
+            self._by_length.setdefault(len(view), []).append(layout)
+            self._count += 1
+
+
+_LAYOUTS = _Layouts()
+
+
 def decode_tensor(view: memoryview | Sequence[memoryview]) -> torch.Tensor:
     """Decode one ``torch.save``-d tensor, with ``weights_only`` safety.
 
@@ -169,6 +235,9 @@ def decode_tensor(view: memoryview | Sequence[memoryview]) -> torch.Tensor:
     """
     pieces = _Pieces([view] if isinstance(view, memoryview) else view)
     if not any(p.readonly for p in pieces.pieces):
+        known = _LAYOUTS.find(pieces)
+        if known is not None:
+            return known.build(pieces)
         try:
             return _decode_in_place(pieces)
         except _NotFast as why:
@@ -191,6 +260,9 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
         raise _NotFast("no single <archive>/data.pkl record")
     root = pickles[0][: -len("data.pkl")]
 
+    spans: list[tuple[int, int]] = []  # where the storage records lie
+    last_span = [(0, 0)]
+
     def record(name: str, nbytes: int | None = None) -> memoryview:
         info = entries.get(root + name)
         if info is None:
@@ -206,6 +278,7 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
         start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         if start + info.file_size > len(view):
             raise RuntimeError(f"record {name} runs past the end of the item")
+        last_span[0] = (start, start + info.file_size)
         return view.slice(start, start + info.file_size)
 
     if root + "byteorder" in entries and bytes(record("byteorder")).decode() != sys.byteorder:
@@ -224,6 +297,7 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
             nbytes = int(numel) * torch_internals.element_size(dtype)
             if nbytes:
                 untyped = torch.frombuffer(record(f"data/{key}", nbytes), dtype=torch.uint8)
+                spans.append(last_span[0])
                 untyped_storage = untyped.untyped_storage()
             else:
                 untyped_storage = torch.UntypedStorage(0)
@@ -237,4 +311,6 @@ def _decode_in_place(view: _Pieces) -> torch.Tensor:
     result = unpickler.load()
     if not isinstance(result, torch.Tensor):
         raise pickle.UnpicklingError(f"expected a tensor, found {type(result).__name__}")
+    if len(spans) == 1:
+        _LAYOUTS.remember(view, *spans[0], result)
     return result
