@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import botocore
+import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -834,6 +835,10 @@ def test_zero_copy_reads_come_straight_from_the_socket(moto: S3Server) -> None:
     got = list(backend.read_ranges([ReadRange("direct.bin", 7, 5 + MiB + 100)], [outs]))
     assert got[0][0] == 0
     assert b"".join(bytes(o) for o in outs) == data[7:7 + 5 + MiB + 100]
+    # the store checksums each piece as it comes off the socket (not after the request)
+    checksums: dict[int, int | None] = {1: None}
+    backend.store.read_checksummed("direct.bin", 7, outs, checksums)
+    assert checksums == {1: crc32c.crc32c(outs[1])}
 
 
 # -- prefix strategy ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ the wrong bytes fails loudly instead of filling tensors with garbage.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import pickle
@@ -18,12 +19,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from stores import memory_scheme
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 import dcpstore
+from dcpstore.dcp.checksum import crc32c
 from dcpstore.dcp.codec import decode_tensor, encode_tensor
 from dcpstore.dcp.manifest import Payload
 from dcpstore.dcp.writer import PAYLOAD_BLOCK
@@ -165,6 +168,47 @@ def test_payloads_are_read_straight_into_destination(tmp_path: Path) -> None:
     assert {k: v.data_ptr() for k, v in out.items()} == ptrs  # filled in place
     assert reader.items_direct == 3
     assert reader.bytes_read == reader.bytes_needed
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_large_payloads_are_checksummed_by_the_read(tmp_path: Path, where: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload read straight into its tensor is checksummed by the read (the local
+    store in cache-sized steps as it reads; another store right after the request), not
+    read again by the delivery; a flipped payload byte is still caught."""
+    from dcpstore.dcp import delivery
+    from dcpstore.storage import local
+
+    state = {"big": torch.randn(3 << 18), "small": torch.randn(64)}  # 3 MiB and 256 B
+    checked: list[int] = []  # lengths the delivery checksums itself
+    monkeypatch.setattr(delivery, "crc32c",
+                        lambda data, value=0: checked.append(len(data)) or crc32c(data, value))
+    stepped: list[int] = []
+    real_step = local._pread_into
+    monkeypatch.setattr(local, "_pread_into",
+                        lambda fd, path, pos, outs: stepped.append(sum(map(len, outs)))
+                        or real_step(fd, path, pos, outs))
+    with contextlib.ExitStack() as stack:
+        uri: Any = tmp_path / "c"
+        if where == "memory":
+            stack.enter_context(contextlib.contextmanager(memory_scheme)("crc"))
+            uri = "memory://crc/c"
+        dcpstore.save(state, uri)
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert _load(out, uri).items_direct == 1  # the big one (the small one is staged)
+        assert_state_equal(out, state)
+        assert checked and max(checked) < 4096  # headers, tails, the small item
+        if where == "local":  # the big payload in steps of at most 512 KiB
+            assert stepped.count(512 * 1024) == 6
+        # one payload byte flipped: caught by the checksum the read computed
+        backend = dcpstore.get_reader(uri).backend
+        [key] = [o.key for o in backend.list("") if o.key.startswith("__")]
+        data = bytearray(backend.get(key))
+        at = bytes(data).index(state["big"][1000:1016].numpy().tobytes())
+        data[at] ^= 1
+        backend.put(key, bytes(data))
+        with pytest.raises(dcpstore.IntegrityError, match="CRC32C mismatch in item 'big'"):
+            dcpstore.load({k: torch.zeros_like(v) for k, v in state.items()}, uri)
 
 
 def test_every_dtype_and_view_round_trips(tmp_path: Path) -> None:

@@ -6,7 +6,10 @@ allows it is read straight into the destination tensor; everything else (item he
 and tails, whole blocks around a partial run, gaps, other items) goes to staging
 buffers. Once the range is in, its deliveries verify what arrived against the manifest
 (item CRC32C, or :class:`~dcpstore.dcp.checksum.BlockCRCs` of a reshard's blocks), decode,
-copy out of staging where needed and commit each item to the planner.
+copy out of staging where needed and commit each item to the planner. A large payload
+read straight into its tensor is checksummed by the read itself, while its bytes are in
+the CPU's cache (``read_ranges(checksums=...)``); its item's CRC32C is then that
+checksum combined with the header's and the tail's.
 
 :func:`fetch_and_deliver` drives one load's ranges through the backend, laying each out
 when its fetch starts and delivering it as soon as it is in, so staging memory stays
@@ -28,7 +31,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcpstore import errors
-from dcpstore.dcp.checksum import block_crcs, crc32c
+from dcpstore.dcp.checksum import block_crcs, crc32c, crc32c_combine
 from dcpstore.dcp.codec import ViewFile, decode_tensor
 from dcpstore.dcp.manifest import Manifest
 from dcpstore.dcp.read_plan import ChunkIndex, CoalescedRange, ItemRead
@@ -39,8 +42,13 @@ __all__ = ["Delivery", "LazyLayouts", "fetch_and_deliver"]
 
 logger = logging.getLogger(__name__)
 
-#: The buffers one range is read into, and what to run once they are filled.
-Layout = tuple[list[memoryview], list[Callable[[], None]]]
+#: The buffers one range is read into, what to run once they are filled, and the
+#: buffers whose CRC32C the read computes (index -> CRC32C, ``None`` until read).
+Layout = tuple[list[memoryview], list[Callable[[], None]], dict[int, int | None]]
+
+#: Payloads from this size are checksummed by the read (below it, the combine costs
+#: more than the second pass saves).
+_CHECKSUM_WHILE_READING = 1024 * 1024
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -77,6 +85,7 @@ class Delivery:
         """
         segments: list[memoryview] = []
         deliveries: list[Callable[[], None]] = []
+        checksums: dict[int, int | None] = {}
         staged: list[tuple[int, memoryview]] = []  # (absolute offset, buffer)
         run_start = rng.offset
 
@@ -117,6 +126,9 @@ class Delivery:
                 target, start = direct[0], info.offset + direct[1]
             stage(start)
             payload = target.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            segment = len(segments)
+            if item.partial is None and len(payload) >= _CHECKSUM_WHILE_READING:
+                checksums[segment] = None
             segments.append(payload)
             run_start = start + len(payload)
             self.items_direct += 1
@@ -124,10 +136,11 @@ class Delivery:
                 deliveries.append(functools.partial(self._deliver_partial, item, view,
                                                     (start, payload, target)))
             else:
-                deliveries.append(functools.partial(self._deliver_direct, req, info, view,
-                                                    start, payload, target))
+                deliveries.append(functools.partial(
+                    self._deliver_direct, req, info, view, start, payload, target,
+                    functools.partial(checksums.get, segment)))
         stage(rng.offset + rng.length)
-        return segments, deliveries
+        return segments, deliveries, checksums
 
     # -- scatter destinations ----------------------------------------------------------
 
@@ -212,10 +225,11 @@ class Delivery:
     def _deliver_direct(
         self, req: ReadItem, info: StorageInfo, view: Callable[[int, int], memoryview],
         start: int, payload: memoryview, target: torch.Tensor,
+        payload_crc: Callable[[], int | None] = lambda: None,
     ) -> None:
         head = view(info.offset, start)
         tail = view(start + len(payload), info.offset + info.length)
-        self._verify(req, info, head, payload, tail)
+        self._verify(req, info, head, payload, tail, payload_crc=payload_crc())
         fqn = req.storage_index.fqn
         decoded = self._decode(info, fqn, [head, payload, tail])
         # the archive must place this exact tensor where the manifest said it would
@@ -260,8 +274,11 @@ class Delivery:
 
     # -- checks ------------------------------------------------------------------------
 
-    def _verify(self, req: ReadItem, info: StorageInfo, *pieces: memoryview) -> None:
-        """Check a whole item's bytes (``pieces`` in order) against the manifest."""
+    def _verify(self, req: ReadItem, info: StorageInfo, *pieces: memoryview,
+                payload_crc: int | None = None) -> None:
+        """Check a whole item's bytes (``pieces`` in order) against the manifest.
+        ``payload_crc``: the CRC32C of the middle one of three (head, payload, tail),
+        computed by the read; the payload is then not read again."""
         if self.manifest is None:
             return
         got = sum(len(p) for p in pieces)
@@ -276,9 +293,13 @@ class Delivery:
                 f"{self.uri}/{info.relative_path}: item {req.storage_index.fqn!r} at "
                 f"offset {info.offset} is not in the manifest; .metadata was tampered with"
             )
-        actual = 0
-        for piece in pieces:
-            actual = crc32c(piece, actual)
+        if payload_crc is not None and len(pieces) == 3:
+            head, payload, tail = pieces
+            actual = crc32c(tail, crc32c_combine(crc32c(head), payload_crc, len(payload)))
+        else:
+            actual = 0
+            for piece in pieces:
+                actual = crc32c(piece, actual)
         if actual != expected:
             raise errors.IntegrityError(
                 f"{self.uri}/{info.relative_path}: CRC32C mismatch in item "
@@ -333,10 +354,31 @@ class LazyLayouts(Sequence[list[memoryview]]):
                 self._built[index] = self._build(index)
             return self._built[index][0]
 
+    def checksums(self) -> Sequence[dict[int, int | None]]:
+        """Per range, the buffers whose CRC32C the read computes (``read_ranges``'
+        ``checksums``), built with its buffers."""
+        return _Checksums(self)
+
+    def checksums_of(self, index: int) -> dict[int, int | None]:
+        self[index]
+        with self._lock:
+            return self._built[index][2]
+
     def pop(self, index: int) -> list[Callable[[], None]]:
         """The deliveries of a fetched range (its buffers are released after them)."""
         with self._lock:
             return self._built.pop(index)[1]
+
+
+class _Checksums(Sequence[dict[int, int | None]]):
+    def __init__(self, layouts: LazyLayouts) -> None:
+        self._layouts = layouts
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._layouts.checksums_of(index)
 
 
 def fetch_and_deliver(backend: Backend, ranges: Sequence[CoalescedRange],
@@ -354,7 +396,7 @@ def fetch_and_deliver(backend: Backend, ranges: Sequence[CoalescedRange],
     # stays bounded by the ranges in flight, not the whole plan.
     layouts = LazyLayouts(lambda i: delivery.layout(ranges[i]), len(ranges))
     try:
-        for index, _ in backend.read_ranges(fetches, layouts):
+        for index, _ in backend.read_ranges(fetches, layouts, layouts.checksums()):
             for deliver in layouts.pop(index):
                 deliver()
     except OSError as exc:

@@ -428,7 +428,9 @@ def _deliver(delivery: Delivery, key: UnitKey, items: list[ItemRead],
              chunks: Sequence[memoryview]) -> None:
     """Deliver one unit's bytes (``chunks``, in order) through the same layout and checks
     as a fetched range: copied once, into the buffers a fetch would have filled."""
-    segments, deliveries = delivery.layout(CoalescedRange(key[0], key[1], key[2], items))
+    # (the checksums a read would compute are left to the deliveries: these bytes were
+    # copied, not read)
+    segments, deliveries, _ = delivery.layout(CoalescedRange(key[0], key[1], key[2], items))
     sources = iter(chunks)
     source, at = memoryview(b""), 0
     for segment in segments:

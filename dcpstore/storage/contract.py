@@ -30,7 +30,9 @@ whose writes can be conditional (S3 ``If-None-Match`` / ``If-Match``, GCS
 ``ifGenerationMatch``, Azure's access conditions, a POSIX hard link) sets
 :attr:`ObjectStore.conditional_writes` and takes ``if_absent`` / ``if_match`` in
 :meth:`~ObjectStore.put`: commits then have one winner when two jobs write one step
-(``docs/reliability.md``).
+(``docs/reliability.md``). A store whose read fills buffers piece by piece may
+override :meth:`ObjectStore.read_checksummed` to checksum each piece while it is in the
+CPU's cache (the local and S3 stores do).
 
 Everything else is the framework's (:mod:`dcpstore.storage.store_backend`), the same for
 every plugin: key validation, retries with backoff and jitter, deadlines, the worker pool,
@@ -268,6 +270,16 @@ class ObjectStore(abc.ABC):
         a hash of the credential environment; never a secret itself). ``None`` (the
         default): each store makes its own."""
         return None
+
+    def read_checksummed(self, key: str, offset: int, buffers: Sequence[memoryview],
+                         checksums: dict[int, int | None]) -> None:
+        """:meth:`read` into ``buffers``, also putting in ``checksums[j]`` the CRC32C of
+        ``buffers[j]`` (``crc32c.crc32c``) for each key ``j`` it holds, computed piece by
+        piece as the bytes land, while they are in the CPU's cache. The default reads
+        and leaves them ``None``: the framework then checksums those buffers after the
+        request, a second pass over their bytes from memory. A store whose read fills
+        buffers in pieces (a socket, ``preadv`` steps) overrides it to save that pass."""
+        self.read(key, offset, buffers)
 
     def open_stream(self, key: str) -> Any:
         """A store that writes a stream straight to its final place (POSIX files)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import crc32c
 from typing_extensions import Buffer
 
 from dcpstore.errors import (
@@ -212,26 +213,60 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def read_file_into(path: str, offset: int, outs: Sequence[memoryview]) -> None:
+#: Step of a checksummed read: small enough that the bytes are still in the CPU's cache
+#: when their CRC32C runs right after (it then runs about twice as fast as from memory).
+_CRC_STEP = 512 * 1024
+
+
+def read_file_into(path: str, offset: int, outs: Sequence[memoryview],
+                   checksums: dict[int, int | None] | None = None) -> None:
     """Fill ``outs`` in order with the bytes of the file at ``path`` from ``offset``
-    (``preadv``, short reads continued); a file that ends early is an ``EOFError``."""
+    (``preadv``, short reads continued); a file that ends early is an ``EOFError``.
+
+    ``checksums``: indices of ``outs`` whose CRC32C to put there, computed in steps of
+    :data:`_CRC_STEP` right after each lands (one pass over the bytes, in cache).
+    """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        pending = [o for o in outs if len(o)]
-        pos = offset
-        while pending:
-            n = os.preadv(fd, pending[:_IOV_MAX], pos)
-            if n == 0:
-                raise EOFError(f"{path} ends at byte {pos}, expected "
-                               f"{sum(len(o) for o in outs)} bytes from offset {offset} "
-                               "(file truncated?)")
-            pos += n
-            while pending and n >= len(pending[0]):  # drop the buffers now full
-                n -= len(pending.pop(0))
-            if n:
-                pending[0] = pending[0][n:]
+        if not checksums:
+            _pread_into(fd, path, offset, outs)
+            return
+        pos, plain = offset, []
+        for j, out in enumerate(outs):
+            if j not in checksums:
+                plain.append(out)
+                continue
+            if plain:  # the buffers before it in one call
+                pos = _pread_into(fd, path, pos, plain)
+                plain = []
+            value = 0
+            for lo in range(0, len(out), _CRC_STEP):
+                step = out[lo:lo + _CRC_STEP]
+                pos = _pread_into(fd, path, pos, [step])
+                value = crc32c.crc32c(step, value)
+            checksums[j] = value
+        if plain:
+            _pread_into(fd, path, pos, plain)
     finally:
         os.close(fd)
+
+
+def _pread_into(fd: int, path: str, offset: int, outs: Sequence[memoryview]) -> int:
+    """Fill ``outs`` from ``offset`` of the open file; the offset after them."""
+    pending = [o for o in outs if len(o)]
+    pos = offset
+    while pending:
+        n = os.preadv(fd, pending[:_IOV_MAX], pos)
+        if n == 0:
+            raise EOFError(f"{path} ends at byte {pos}, expected "
+                           f"{sum(len(o) for o in outs)} bytes from offset {offset} "
+                           "(file truncated?)")
+        pos += n
+        while pending and n >= len(pending[0]):  # drop the buffers now full
+            n -= len(pending.pop(0))
+        if n:
+            pending[0] = pending[0][n:]
+    return pos
 
 
 class LocationIsAFileError(StoreError, NotADirectoryError, ConfigurationError):
@@ -277,6 +312,13 @@ class LocalStore(ObjectStore):
             if offset:
                 f.seek(offset)
             return f.read()
+
+    def read_checksummed(self, key: str, offset: int, buffers: Sequence[memoryview],
+                         checksums: dict[int, int | None]) -> None:
+        """:meth:`read` into ``buffers``, with the CRC32C of those named in
+        ``checksums`` computed as they land (see
+        :meth:`~dcpstore.storage.backend.Backend.read_ranges`)."""
+        read_file_into(self._path(key), offset, buffers, checksums)
 
     def put(self, key: str, data: memoryview, *, if_absent: bool = False,
             if_match: str | None = None) -> None:

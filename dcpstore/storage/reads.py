@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
+import crc32c
+
 from dcpstore.storage.types import ReadRange, uninitialized_buffer
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ def scatter_reads(
     backend: Backend,
     ranges: Sequence[ReadRange],
     buffers: Sequence[memoryview | Sequence[memoryview]] | None,
+    checksums: Sequence[dict[int, int | None]] | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """Fetch ``ranges`` with ``backend``'s requests; yield ``(index, data)`` as each
     completes (the work of :meth:`~dcpstore.storage.backend.Backend.read_ranges`, which
@@ -35,6 +38,9 @@ def scatter_reads(
         ranges: The ranges to fetch (at least one).
         buffers: Optional destinations, one per range: a view of exactly its length, or
             a list of views whose lengths add up to it.
+        checksums: Optional, per range: indices of its views whose CRC32C to put in
+            the dict (by the backend while reading where it can, else here, after the
+            request has given back its slot).
 
     Yields:
         ``(index, data)``: the range's index and its buffer (``buffers[index]`` where
@@ -54,16 +60,26 @@ def scatter_reads(
             if sum(len(o) for o in out) != r.length:
                 raise ValueError(f"read_ranges: buffers {i} do not add up to {r.length}")
             outs = out
+        want = checksums[i] if checksums is not None else None
         if r.length:
             started = gate.acquire()
             assert started is not None  # a blocking acquire without timeout
             ok = False
             try:
-                backend._call(backend._read_into, r.key, r.offset, outs, key=r.key,
-                              concurrency=gate)
+                if want:
+                    want.update(dict.fromkeys(want))  # a retried read starts over
+                    backend._call(backend._read_into_checksummed, r.key, r.offset, outs,
+                                  want, key=r.key, concurrency=gate)
+                else:
+                    backend._call(backend._read_into, r.key, r.offset, outs, key=r.key,
+                                  concurrency=gate)
                 ok = True
             finally:
                 gate.release(started, r.length if ok else 0, ok=ok)
+        if want:
+            for j, value in want.items():
+                if value is None:
+                    want[j] = crc32c.crc32c(outs[j])
         return i, out
 
     if len(ranges) == 1 or backend.options.max_concurrency == 1:

@@ -121,6 +121,10 @@ class StoreBackend(Backend):
     def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         self.store.read(key, offset, outs)
 
+    def _read_into_checksummed(self, key: str, offset: int, outs: Sequence[memoryview],
+                               checksums: dict[int, int | None]) -> None:
+        self.store.read_checksummed(key, offset, outs, checksums)
+
     @property
     def conditional_writes(self) -> bool:
         return self.store.conditional_writes

@@ -61,6 +61,7 @@ from dcpstore.plugin import (
     ObjectInfo,
     StoreError,
     StoreOptions,
+    crc32c,
 )
 from dcpstore.storage.redact import CLIENT_LOGGERS, install_log_redaction
 from dcpstore.storage.registry import as_backend_class
@@ -276,6 +277,12 @@ class S3Store(MultipartStore):
         self._with_fallback(key, lambda physical: self._get_range(physical, offset, buffers))
         return None
 
+    def read_checksummed(self, key: str, offset: int, buffers: Sequence[memoryview],
+                         checksums: dict[int, int | None]) -> None:
+        # each piece the socket gives is checksummed right after it lands, in cache
+        self._with_fallback(key, lambda physical: self._get_range(physical, offset, buffers,
+                                                                  checksums))
+
     def _get_all(self, physical: str, offset: int) -> bytes:
         params: dict[str, Any] = {"Range": f"bytes={offset}-"} if offset else {}
         body = self._request("get_object", Bucket=self.bucket, Key=physical, **params)["Body"]
@@ -287,7 +294,8 @@ class S3Store(MultipartStore):
             self.bytes_read += len(data)
         return data
 
-    def _get_range(self, physical: str, offset: int, outs: Sequence[memoryview]) -> None:
+    def _get_range(self, physical: str, offset: int, outs: Sequence[memoryview],
+                   checksums: dict[int, int | None] | None = None) -> None:
         length = sum(len(o) for o in outs)
         try:
             response = self._request(
@@ -307,13 +315,18 @@ class S3Store(MultipartStore):
             if status == 200 and offset:
                 _zerocopy.skip(body, offset)  # a store that ignored the Range header
             pos = 0
-            for out in outs:  # one response body, read straight into each buffer in turn
-                filled = 0
+            for j, out in enumerate(outs):  # one body, read straight into each buffer
+                filled, crc = 0, 0
+                checksum = checksums is not None and j in checksums
                 while filled < len(out):
                     n = _zerocopy.readinto(body, out[filled:])
                     if not n:
                         break
+                    if checksum:
+                        crc = crc32c(out[filled:filled + n], crc)
                     filled += n
+                if checksums is not None and checksum and filled == len(out):
+                    checksums[j] = crc
                 pos += filled
                 if filled < len(out):
                     break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dcpstore.dcp.checksum import crc32c
 from dcpstore.storage.backend import Backend, ReadRange
 from dcpstore.testing.conformance._base import ConformanceBase, payload
 
@@ -41,6 +42,22 @@ class RangeTests(ConformanceBase):
         assert b"".join(bytes(b) for b in bufs) == data[200_000 : 200_000 + sum(sizes)]
         with pytest.raises(ValueError):
             list(backend.read_ranges([ReadRange("s", 0, 10)], [[memoryview(bytearray(9))]]))
+
+    def test_scatter_read_checksums(self, backend: Backend) -> None:
+        """``checksums``: the CRC32C of each named buffer, whether the store computes it
+        while reading (``read_checksummed``) or the framework after the request."""
+        data = payload(3_000_000, seed=8)
+        backend.put("c", data)
+        sizes = [1_500, 2_000_000, 0, 700, 900_000]
+        ranges = [ReadRange("c", 1_000, sum(sizes)), ReadRange("c", 0, 1_000)]
+        bufs = [[memoryview(bytearray(n)) for n in sizes], [memoryview(bytearray(1_000))]]
+        checksums: list[dict[int, int | None]] = [{1: None, 2: None, 4: None}, {0: None}]
+        list(backend.read_ranges(ranges, bufs, checksums))
+        assert b"".join(bytes(b) for b in bufs[0]) == data[1_000 : 1_000 + sum(sizes)]
+        for buffers, crcs in zip(bufs, checksums, strict=True):
+            assert crcs == {j: crc32c(buffers[j]) for j in crcs}, crcs
+        with pytest.raises(ValueError, match="checksums"):
+            list(backend.read_ranges(ranges, None, checksums))
 
     def test_read_past_end_fails(self, backend: Backend) -> None:
         backend.put("short", b"0123456789")
