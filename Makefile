@@ -168,8 +168,14 @@ bench: setup
 	    --systems dcpstore-s3 torch-fsspec-s3 msc s3torchconnector limit-s3 \
 	    --limit-s3 objects-16MiBx8 objects-8MiBx16 --out benchmarks/results/latest/moto-1rank
 
+# The quick run, then the regression guard (benchmarks/regress.py): each case's MB/s as a
+# fraction of the same run's limit against the committed full run's (latest/, with its
+# moto-1rank/), so that neither the 32 MiB state nor the machine's speed counts. It prints
+# every case more than 1.5x slower and fails only on 3x; the local store, the loads of
+# fake-gcs-server and the limits themselves are left out (their reasons in regress.py).
 bench-quick: setup
 	$(BIN)/python -m benchmarks --quick --out benchmarks/results/tmp/quick
+	$(BIN)/python -m benchmarks.regress benchmarks/results/tmp/quick
 
 # The stall suite (issue 14; docs/performance.md "Stall"): full defaults take hours on 2
 # cores (the script prints its estimate); the quick run is a smoke test.

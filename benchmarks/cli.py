@@ -41,7 +41,15 @@ from typing import Any
 from dcpstore.testing.tls import TLSFiles, throwaway_tls
 
 from . import report, systems, tuning
-from .env import REPO, add_output_args, default_out, machine_info, versions
+from .env import (
+    REPO,
+    DirtyTree,
+    add_output_args,
+    default_out,
+    machine_info,
+    run_checkout,
+    versions,
+)
 from .options import ALL_LIMITS, fill_defaults, options_for, parse_opts
 from .ranks import RankPool
 from .runner import Runner, StorePlan
@@ -446,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.render is not None:
         return render(args.render)
+    try:
+        # before anything is measured: results for the committed tree need a clean one
+        args.checkout = run_checkout(args.out, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks: refusing to run: {exc}", file=sys.stderr)
+        return 2
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     with tls_material(args.tls) as tls:
         return _run(args, argv, tls)
@@ -600,6 +614,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, tls: TLSFiles | None)
         "phases_s": phases,
         "server_replacements": replacements,
         "machine": machine_info(),
+        "checkout": getattr(args, "checkout", None),
         "quiet": quiet,
         "versions": versions(),
         "config": {"mode": args.mode, "world_size": args.world_size, "runs": args.runs,

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from .env import git_commit
+from .env import DirtyTree, checkout_text, run_checkout
 from .workload import format_bytes, parse_size
 
 __all__ = ["SYSTEMS", "main", "render_markdown"]
@@ -343,7 +343,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['device_name']}, {format_bytes(nbytes)} in "
         f"{cfg['tensors']} float32 tensors, {cfg['saves']} saves with a "
         f"{result['baseline_step_s']:.3f} s training step between them, local disk "
-        f"`{cfg['root']}`; torch {result['torch']}, commit {result.get('commit') or '?'}. "
+        f"`{cfg['root']}`; torch {result['torch']}, {_commit_text(result)}. "
         "Steady = saves 2..N. Extra host memory: the peak resident memory of the process "
         "and its children above what it was before the system's first save, in copies of "
         "the state.",
@@ -368,6 +368,15 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{'yes' if r['bit_exact'] else '**NO**'} |")
     lines += ["", *target_lines(result)]
     return "\n".join(lines) + "\n"
+
+
+def _commit_text(result: dict[str, Any]) -> str:
+    """The commit the run ran at: git's view of the tree, else ``--commit`` (a copy of
+    the tree without its ``.git``, as on a lent GPU machine), else ``?``."""
+    info = result.get("checkout")
+    if info and info.get("commit"):
+        return checkout_text(info)
+    return f"commit {result.get('commit') or '?'}"
 
 
 #: The targets for an asynchronous save of GPU state (issue 29): ``save`` blocks, and with
@@ -429,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="directory for results.json / results.md")
     p.add_argument("--commit", default=None,
                    help="the commit to record (default: git's HEAD where the script lies)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="write results from a tree with uncommitted changes (the results "
+                        "then record the diff's SHA-256)")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.tensors, args.saves = "16MiB", 4, 2
@@ -442,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     system failed."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        # before anything is measured: results for the committed tree need a clean one
+        checkout = run_checkout(Path(args.out) if args.out else None, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks.cuda_stall: refusing to run: {exc}", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     state = build_state(parse_size(args.size), args.tensors, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -452,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**vars(args), "root": root}, "state_bytes": nbytes,
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or "cpu"),
-        "torch": torch.__version__, "commit": args.commit or git_commit(),
+        "torch": torch.__version__, "commit": args.commit or checkout["commit"],
+        "checkout": checkout,
         "baseline_step_s": baseline,
         "copy_limit_s": copy_limit(state, device), "systems": [],
     }

@@ -63,7 +63,16 @@ from pathlib import Path
 from typing import Any
 
 from . import report, systems
-from .env import add_output_args, check_memory, default_out, machine_info, versions
+from .env import (
+    DirtyTree,
+    add_output_args,
+    check_memory,
+    checkout_text,
+    default_out,
+    machine_info,
+    run_checkout,
+    versions,
+)
 from .options import fill_defaults, options_for, parse_opts
 from .ranks import JobError, RankPool
 from .runner import Runner, StorePlan
@@ -697,6 +706,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         rendered = json.loads((args.render / "results.json").read_text())
         return _finish(rendered, args.render)
+    try:
+        # before anything is measured: results for the committed tree need a clean one
+        checkout = run_checkout(args.out, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks --curves: refusing to run: {exc}", file=sys.stderr)
+        return 2
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     # inherited by the servers the stores start (weed, fake-gcs-server), not the ranks'
     if args.server_memory_bytes is None:
@@ -725,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks --curves " + " ".join(shlex.quote(a) for a in (
             sys.argv[1:] if argv is None else argv) if a != "--curves"),
         "machine": machine_info(),
+        "checkout": checkout,
         "load_average": {"start": load, "end": None},
         "versions": versions(),
         "config": {"mode": args.mode, "series": args.series, "stores": args.stores,
@@ -798,7 +814,8 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# dcpstore scaling curves", "",
         f"`{result['command']}` — {result['started']}, {result['duration_s'] / 60:.1f} min, "
-        f"commit {m.get('git_commit')}, {m['cpus']} CPUs ({m['cpu_model']}), "
+        f"{checkout_text(result.get('checkout'), m.get('git_commit'))}, "
+        f"{m['cpus']} CPUs ({m['cpu_model']}), "
         f"{m['memory_bytes'] / _GiB:.0f} GiB RAM."
         + ("" if result.get("complete", True) else
            " **Incomplete**: the run was cut short; the points below are those measured."),
@@ -964,7 +981,9 @@ def write_charts(result: dict[str, Any], out: Path) -> list[Path]:
                     ax.legend(fontsize=7)
         fig.suptitle(f"dcpstore scaling against {'world size' if name == 'world' else 'size'}"
                      f": {m['cpus']} CPUs, median of {result['config']['runs']} run(s), "
-                     f"load average {la}, commit {m.get('git_commit')}", fontsize=10)
+                     f"load average {la}, "
+                     f"{checkout_text(result.get('checkout'), m.get('git_commit'))}",
+                     fontsize=10)
         fig.tight_layout(rect=(0, 0, 1, 0.95))
         path = out / f"{name}.png"
         fig.savefig(path, dpi=110)

@@ -2,7 +2,9 @@
 
 :data:`REPO` (the checkout), :func:`machine_info` and :func:`versions` (what a results
 file says it ran on), :func:`git_commit` and :func:`checkout` (the commit a run really
-ran at; a dirty tree is refused unless ``--allow-dirty``), :func:`check_memory`
+ran at; a dirty tree is refused unless ``--allow-dirty``), :func:`run_checkout` (the
+harnesses' policy: refused only for results written into the committed results tree)
+and :func:`checkout_text` (how a report names the commit), :func:`check_memory`
 (whether a case fits in the memory free now) and a suite's results folder
 (:func:`add_output_args`, :func:`default_out`).
 """
@@ -21,11 +23,14 @@ from typing import Any
 
 from .workload import format_bytes
 
-__all__ = ["REPO", "DirtyTree", "add_output_args", "check_memory", "checkout", "default_out",
-           "git_commit", "machine_info", "versions"]
+__all__ = ["COMMITTED_RESULTS", "REPO", "DirtyTree", "add_output_args", "check_memory",
+           "checkout", "checkout_text", "default_out", "git_commit", "machine_info",
+           "run_checkout", "versions", "writes_committed_results"]
 
 #: The checkout's root.
 REPO = Path(__file__).resolve().parent.parent
+#: The committed results tree (its ``tmp`` folder aside: see :func:`run_checkout`).
+COMMITTED_RESULTS = REPO / "benchmarks" / "results"
 
 
 def add_output_args(parser: argparse.ArgumentParser, prefix: str, rebuilds: str) -> None:
@@ -88,6 +93,47 @@ def checkout(*, allow_dirty: bool = False) -> dict[str, Any]:
             "the diff's SHA-256)")
     return {"commit": commit, "dirty": True,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()}
+
+
+def writes_committed_results(out: Path) -> bool:
+    """Whether ``out`` lies in the committed results tree: inside
+    :data:`COMMITTED_RESULTS` but not inside its ``tmp`` folder (scratch runs)."""
+    where = Path(out).expanduser().resolve()
+    return (where.is_relative_to(COMMITTED_RESULTS)
+            and not where.is_relative_to(COMMITTED_RESULTS / "tmp"))
+
+
+def run_checkout(out: Path | None, allow_dirty: bool) -> dict[str, Any]:
+    """:func:`checkout` under the harnesses' policy, called before anything is measured:
+    a run whose results go into the committed results tree
+    (:func:`writes_committed_results`) refuses a dirty tree unless ``allow_dirty``;
+    any other run (``benchmarks/results/tmp``, a test's temporary folder, no ``out``)
+    goes on and records the state of the tree all the same.
+
+    Args:
+        out: Where the run writes its results (``None``: nowhere).
+        allow_dirty: ``--allow-dirty``.
+
+    Raises:
+        DirtyTree: a dirty tree, results for the committed tree, no ``allow_dirty``.
+    """
+    committed = out is not None and writes_committed_results(out)
+    return checkout(allow_dirty=allow_dirty or not committed)
+
+
+def checkout_text(info: dict[str, Any] | None, fallback: str | None = None) -> str:
+    """How a report names the commit: ``commit abc1234``, with ``with uncommitted
+    changes, diff sha256 <first 12>`` when the tree was dirty. ``info`` is
+    :func:`checkout`'s dict; results written before it existed have none, and then
+    ``fallback`` (their ``git_commit``) is named as it is."""
+    if not info:
+        return f"commit {fallback or 'unknown'}"
+    text = f"commit {info.get('commit') or 'unknown'}"
+    if info.get("dirty"):
+        text += f" with uncommitted changes, diff sha256 {str(info['diff_sha256'])[:12]}"
+    elif info.get("dirty") is None:
+        text += " (not a git checkout)"
+    return text
 
 
 def git_commit(*, dirty: bool = False) -> str | None:

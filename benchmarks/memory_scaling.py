@@ -33,11 +33,16 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shlex
+import sys
 import tempfile
 import tracemalloc
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+from .env import DirtyTree, checkout_text, run_checkout
 
 __all__ = ["main", "measure"]
 
@@ -188,7 +193,11 @@ def _kib(n: float) -> str:
     return f"{n / 1024:,.0f}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Measure every (tensors, world) point and print the table; ``--json`` also writes
+    ``{"checkout", "command", "rows"}`` (one row per point, every rank's figures).
+    Returns 2, measuring nothing, when ``--json`` goes into the committed results tree
+    from a dirty tree without ``--allow-dirty``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tensors", type=int, nargs="+", default=[1024, 4096])
@@ -199,8 +208,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write every rank's figures here")
     parser.add_argument("--lines", action="store_true",
                         help="print the dcpstore lines holding the most")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write --json from a tree with uncommitted changes (it then "
+                             "records the diff's SHA-256)")
     args = parser.parse_args(argv)
+    try:
+        # before anything is measured: results for the committed tree need a clean one
+        checkout = run_checkout(Path(args.json).parent if args.json else None,
+                                args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks.memory_scaling: refusing to run: {exc}",
+              file=sys.stderr)
+        return 2
     rows = []
+    print(f"Ran at {checkout_text(checkout)}.")
     print("KiB per rank (tracemalloc); held = allocated by the operation and still held "
           "at its last storage call; rank 0 is the coordinator, 'other' the median of "
           "the others")
@@ -232,9 +253,13 @@ def main(argv: list[str] | None = None) -> None:
                         for where, size in fig["dcpstore_lines"]:
                             print(f"|  | | | | {where} | | {_kib(size)} | | | |")
     if args.json:
+        command = "python -m benchmarks.memory_scaling " + " ".join(
+            shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            # older files (benchmarks/results/memory_scaling) are the bare list of rows
+            json.dump({"checkout": checkout, "command": command, "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

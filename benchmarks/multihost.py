@@ -46,7 +46,7 @@ from typing import Any
 from dcpstore.testing.hosts import Hosts, sweep
 from dcpstore.testing.servers import seaweedfs_server
 
-from .env import git_commit, machine_info, versions
+from .env import DirtyTree, checkout_text, git_commit, machine_info, run_checkout, versions
 from .workload import format_bytes, parse_size
 
 __all__ = ["main"]
@@ -170,8 +170,8 @@ def render(results: dict[str, Any]) -> str:
     lines = ["# The node-local tier across hosts, with a lost host\n",
              f"3 hosts x 2 ranks (network namespaces on one machine, {r['machine']['cpus']} "
              f"cores), {format_bytes(r['size'])} per rank, one replica per host; SeaweedFS "
-             f"on the bridge, its sends throttled to {r['remote_mibps']} MiB/s; commit "
-             f"{r['commit']}.\n"]
+             f"on the bridge, its sends throttled to {r['remote_mibps']} MiB/s; "
+             f"{checkout_text(r.get('checkout'), r['commit'])}.\n"]
     restart = r["restart"]
     if restart:
         lines += _render_restart(restart)
@@ -248,10 +248,20 @@ def main(argv: list[str] | None = None) -> int:
                              "its jobs folder instead of running (with --commit)")
     parser.add_argument("--commit", default=None, help="the stopped run's commit")
     parser.add_argument("--out", required=True, help="results folder")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results from a tree with uncommitted changes (the "
+                             "results then record the diff's SHA-256)")
     a = parser.parse_args(argv)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     size = parse_size(a.size)
+    checkout: dict[str, Any] | None = None
+    if not a.from_jobs:  # --from-jobs measures nothing: it names the stopped run's commit
+        try:
+            checkout = run_checkout(out, a.allow_dirty)
+        except DirtyTree as exc:
+            print(f"python -m benchmarks.multihost: refusing to run: {exc}", file=sys.stderr)
+            return 2
+    out.mkdir(parents=True, exist_ok=True)
     if a.from_jobs:
         save, restart = from_jobs(Path(a.from_jobs))
         results = {"commit": a.commit, "assembled_from": a.from_jobs, "size": size,
@@ -262,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.md").write_text(render(results))
         print(render(results))
         return 0
-    commit = git_commit(dirty=True)
+    commit = git_commit(dirty=True)  # kept for the readers of older results
     started = time.time()
     sweep()
     with Hosts(3) as hosts, seaweedfs_server(bucket=BUCKET, address=hosts.gateway) as store:
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                      if "kills" in a.phases else [])
         finally:
             hosts.unthrottle_gateway()
-    results = {"commit": commit, "size": size, "remote_mibps": a.remote_mibps,
+    results = {"commit": commit, "checkout": checkout, "size": size,
+               "remote_mibps": a.remote_mibps,
                "machine": machine_info(), "versions": versions(),
                "seconds": time.time() - started, "phases": a.phases, "save": save,
                "restart": restart, "kill_size": kill_size, "kill_window": a.kill_window,

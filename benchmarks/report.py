@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .env import checkout_text
 from .workload import format_bytes
 
 __all__ = ["build", "evaluate_targets", "render_markdown", "summarize", "write_chart",
@@ -346,6 +347,9 @@ def render_markdown(result: dict[str, Any]) -> str:
     cases = result["cases"]
     n = cfg["world_size"]
     lines = [f"# dcpstore benchmark ({cfg['mode']} mode, {result['started']})", ""]
+    # the commit the run really ran at (results from before checkout() name git_commit)
+    lines += [f"Ran at {checkout_text(result.get('checkout'), machine.get('git_commit'))}.",
+              ""]
     lines.append(
         f"Machine: {machine['cpus']} CPUs ({machine['cpu_model']}), "
         f"{format_bytes(machine['memory_bytes'])} RAM, Linux {machine['kernel']}, "
@@ -517,7 +521,8 @@ def _spread(summary: dict[str, Any]) -> str:
 def _options_text(opts: dict[str, Any] | None) -> str:
     if not opts:
         return "defaults"
-    return ", ".join(f"{k}={format_bytes(v).replace(' ', '') if k == 'part_size' else v}"
+    sizes = ("part_size", "block_size")
+    return ", ".join(f"{k}={format_bytes(v).replace(' ', '') if k in sizes else v}"
                      for k, v in sorted(opts.items()))
 
 

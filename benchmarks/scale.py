@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .env import git_commit
+from .env import DirtyTree, checkout_text, git_commit, run_checkout
 
 __all__ = ["S3_LIST_PAGE", "Mix", "main", "run_scale"]
 
@@ -589,6 +589,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="print one table of two scale.json files and exit")
     parser.add_argument("--out", type=Path, default=None,
                         help="write scale.json and scale.md into this folder")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="write results from a tree with uncommitted changes (the "
+                             "results then record the diff's SHA-256)")
     return parser.parse_args(argv)
 
 
@@ -598,12 +601,20 @@ def main(argv: list[str] | None = None) -> int:
         before, after = (json.loads(p.read_text()) for p in args.compare)
         print(compare_markdown(before, after), end="")
         return 0
+    try:
+        # before anything is measured: results for the committed tree need a clean one
+        checkout = run_checkout(args.out, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks.scale: refusing to run: {exc}", file=sys.stderr)
+        return 2
     if args.quick:
         mix, worlds, retained = QUICK_MIX, [4, 8], 5
     else:
         mix, worlds, retained = Mix(layers=args.layers), args.ranks, RETAINED
     doc = run_scale(worlds, mix, retained=retained, log=lambda m: print(m, file=sys.stderr))
-    table = to_markdown(doc)
+    doc["checkout"] = checkout
+    # after the table, so that compare_markdown() still reads the table alone
+    table = to_markdown(doc) + f"\nRan at {checkout_text(checkout, doc['commit'])}.\n"
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

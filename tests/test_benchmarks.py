@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -430,6 +431,212 @@ def test_medians_ratios_limits_and_targets() -> None:
     assert "**FAIL** S3 load >= 85% of the raw limit" in md
 
 
+# -- the commit a run ran at (issue 33) ------------------------------------------------------
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t",
+                    *args], check=True, capture_output=True, timeout=30)
+
+
+def test_checkout_names_the_commit_and_hashes_a_dirty_diff(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean tree names its commit; a dirty one is refused unless allowed, and then
+    its diff's SHA-256 is recorded; the benchmarks' own outputs do not make it dirty."""
+    from benchmarks import env
+
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    monkeypatch.setattr(env, "REPO", tmp_path)
+    clean = env.checkout()
+    assert clean["dirty"] is False and clean["diff_sha256"] is None and clean["commit"]
+    assert env.checkout_text(clean) == f"commit {clean['commit']}"
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"new": 1}\n')
+    assert env.checkout()["dirty"] is False  # a results file is an output
+    (tmp_path / "code.py").write_text("x = 2\n")
+    with pytest.raises(env.DirtyTree, match="code.py"):
+        env.checkout()
+    dirty = env.checkout(allow_dirty=True)
+    assert dirty["dirty"] is True and len(dirty["diff_sha256"]) == 64
+    assert env.checkout_text(dirty) == (f"commit {clean['commit']} with uncommitted changes, "
+                                        f"diff sha256 {dirty['diff_sha256'][:12]}")
+    # results from before checkout() existed: their git_commit as it is
+    assert env.checkout_text(None, "abc1234 (with uncommitted changes)") == (
+        "commit abc1234 (with uncommitted changes)")
+
+
+def test_only_the_committed_results_tree_refuses_a_dirty_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import env
+
+    results = REPO / "benchmarks" / "results"
+    assert env.writes_committed_results(results / "latest")
+    assert env.writes_committed_results(results / "latest" / "moto-1rank")
+    assert not env.writes_committed_results(results / "tmp" / "quick")
+    assert not env.writes_committed_results(tmp_path)
+    asked: list[bool] = []
+
+    def fake(*, allow_dirty: bool = False) -> dict[str, Any]:
+        asked.append(allow_dirty)
+        if not allow_dirty:
+            raise env.DirtyTree("dirty")
+        return {"commit": "abc", "dirty": True, "diff_sha256": "0" * 64}
+
+    monkeypatch.setattr(env, "checkout", fake)
+    with pytest.raises(env.DirtyTree):
+        env.run_checkout(results / "latest", allow_dirty=False)
+    assert env.run_checkout(results / "latest", allow_dirty=True)["dirty"] is True
+    # elsewhere the run goes on, and still records the tree's state
+    assert env.run_checkout(results / "tmp" / "x", allow_dirty=False)["diff_sha256"]
+    assert env.run_checkout(tmp_path, allow_dirty=False)["dirty"] is True
+    assert env.run_checkout(None, allow_dirty=False)["commit"] == "abc"
+    assert asked == [False, True, True, True, True]
+
+
+_HARNESSES = {
+    # module: its arguments, results into the committed tree (it must refuse before
+    # measuring anything, so none of these runs)
+    "cli": ["--quick", "--out", "{out}"],
+    "curves": ["--quick", "--out", "{out}"],
+    "scale": ["--quick", "--out", "{out}"],
+    "cuda_stall": ["--quick", "--device", "cpu", "--out", "{out}"],
+    "memory_scaling": ["--worlds", "1", "--tensors", "8", "--json", "{out}/m.json"],
+    "multihost": ["--out", "{out}"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(_HARNESSES))
+def test_harnesses_refuse_a_dirty_tree_for_committed_results(
+        module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """Every harness that writes results checks the tree first: into the committed
+    results tree, a dirty one stops it (exit 2, the reason on stderr) before it measures
+    or writes anything."""
+    import importlib
+
+    from benchmarks import env
+
+    def dirty(*, allow_dirty: bool = False) -> dict[str, Any]:
+        if not allow_dirty:
+            raise env.DirtyTree("uncommitted changes to 1 tracked file(s) (x.py)")
+        return {"commit": "abc", "dirty": True, "diff_sha256": "0" * 64}
+
+    monkeypatch.setattr(env, "checkout", dirty)
+    out = REPO / "benchmarks" / "results" / "_dirty-tree-test"
+    harness = importlib.import_module(f"benchmarks.{module}")
+    argv = [a.replace("{out}", str(out)) for a in _HARNESSES[module]]
+    assert harness.main(argv) == 2
+    assert "refusing to run: uncommitted changes" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_runner_records_the_checkout_it_was_allowed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--allow-dirty``: the run goes on with the tree's state (the diff's hash) for its
+    results; ``--render`` rebuilds without any check."""
+    from benchmarks import cli, env
+
+    state = {"commit": "abc", "dirty": True, "diff_sha256": "f" * 64}
+
+    def dirty(*, allow_dirty: bool = False) -> dict[str, Any]:
+        if not allow_dirty:
+            raise env.DirtyTree("dirty")
+        return state
+
+    monkeypatch.setattr(env, "checkout", dirty)
+    seen: list[Any] = []
+    monkeypatch.setattr(cli, "_run", lambda args, argv, tls: seen.append(args.checkout) or 0)
+    out = REPO / "benchmarks" / "results" / "_dirty-tree-test"
+    assert cli.main(["--quick", "--out", str(out), "--allow-dirty"]) == 0
+    assert seen == [state]
+    monkeypatch.setattr(cli, "render", lambda where: 7)
+    assert cli.main(["--render", str(out)]) == 7
+
+
+# -- the regression guard (benchmarks.regress) ---------------------------------------------
+
+
+def _run_result(figures: dict[tuple[str, str, str, int], float]) -> dict[str, Any]:
+    """A results.json with just what the guard reads: each case's MB/s (``limit-*``
+    systems are the limits)."""
+    return {"cases": [
+        {"store": store, "system": system, "op": op, "world_size": world,
+         "summary": {"is_limit": system.startswith("limit-"), "mbps": mbps}}
+        for (store, system, op, world), mbps in figures.items()]}
+
+
+def test_regress_compares_fractions_of_each_runs_limit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The quick run on a 4x slower machine: a case 4x slower in MB/s is not slower at
+    all relative to its run's limit; 1.6x slower relative to it is printed; 3.1x fails;
+    a case of one run only is listed, never failed; an excluded class is not compared."""
+    from benchmarks import regress
+
+    sw = "seaweedfs"
+    base = {(sw, "limit-s3[64MiBx8]", "save", 2): 400.0,
+            (sw, "limit-s3[64MiBx8]", "load", 2): 1000.0,
+            (sw, "dcpstore-s3", "save", 2): 360.0,  # 0.9 of the limit
+            (sw, "dcpstore-s3", "load", 2): 800.0,  # 0.8
+            (sw, "msc", "save", 2): 200.0,  # 0.5
+            (sw, "msc", "load", 2): 400.0,  # 0.4, not in the quick run
+            ("local", "limit-local[wb16MiBx2]", "load", 2): 8000.0,
+            ("local", "dcpstore-local", "load", 2): 4000.0}
+    quick = {(sw, "limit-s3[objects-8MiBx4]", "save", 2): 100.0,  # another variant
+             (sw, "limit-s3[64MiBx8]", "load", 2): 250.0,
+             (sw, "dcpstore-s3", "save", 2): 90.0,  # 0.9: 4x fewer MB/s, same fraction
+             (sw, "dcpstore-s3", "load", 2): 250.0 * 0.8 / 1.6,  # 1.6x slower
+             (sw, "msc", "save", 2): 100.0 * 0.5 / 3.1,  # 3.1x slower
+             (sw, "torch-fsspec-s3", "save", 2): 10.0,  # not in the baseline
+             ("local", "limit-local[wb16MiBx2]", "load", 2): 3000.0,
+             ("local", "dcpstore-local", "load", 2): 300.0}  # 5x, but excluded
+    comp = regress.compare(_run_result(quick), [_run_result(base)])
+    slowdowns = {r.key[1:3]: r.slowdown for r in comp.rows}
+    assert slowdowns == pytest.approx({("msc", "save"): 3.1, ("dcpstore-s3", "load"): 1.6,
+                                       ("dcpstore-s3", "save"): 1.0})
+    assert [r.key[1] for r in comp.failed] == ["msc"]
+    assert [r.key[1:3] for r in comp.slower] == [("msc", "save"), ("dcpstore-s3", "load")]
+    assert comp.baseline_only == [(sw, "msc", "load", 2)]
+    assert comp.quick_only == [(sw, "torch-fsspec-s3", "save", 2)]
+    assert ("local", "dcpstore-local", "load", 2) in comp.excluded
+    assert (sw, "limit-s3[64MiBx8]", "load", 2) in comp.excluded  # the yardstick
+    # a case's figure is its fastest run: one stalled run of two is not a slowdown
+    stalled = _run_result(quick)
+    for c in stalled["cases"]:
+        if c["system"] == "dcpstore-s3" and c["op"] == "save":
+            c["summary"].update(mbps=9.0, mbps_max=90.0)
+    assert {r.key[1:3]: r.slowdown for r in regress.compare(stalled, [_run_result(base)]).rows
+            }[("dcpstore-s3", "save")] == pytest.approx(1.0)
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "results.json").write_text(json.dumps(_run_result(base)))
+    (tmp_path / "quick.json").write_text(json.dumps(_run_result(quick)))
+    argv = [str(tmp_path / "quick.json"), "--baseline", str(tmp_path / "base")]
+    assert regress.main(argv) == 1  # 3.1x
+    printed = capsys.readouterr().out
+    assert "compared 3 cases: 2 more than 1.5x slower, 1 more than 3x (fails)" in printed
+    assert "FAIL: msc save @2 on seaweedfs: 3.10x slower" in printed
+    assert "slower: dcpstore-s3 load @2 on seaweedfs: 1.60x slower" in printed
+    assert "in the baseline only" in printed and "seaweedfs load @2: msc" in printed
+    assert "in the quick run only" in printed and "seaweedfs save @2: torch-fsspec-s3" in (
+        printed)
+    # without the 3.1x case (and its baseline moved to a subfolder, as moto's run is):
+    # 1.6x is printed, and passes
+    del quick[(sw, "msc", "save", 2)]
+    (tmp_path / "quick.json").write_text(json.dumps(_run_result(quick)))
+    (tmp_path / "base" / "results.json").unlink()
+    (tmp_path / "base" / "sub").mkdir()
+    (tmp_path / "base" / "sub" / "results.json").write_text(json.dumps(_run_result(base)))
+    assert regress.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "slower: dcpstore-s3 load @2 on seaweedfs: 1.60x slower" in printed
+    assert "seaweedfs save @2: msc" in printed  # now in the baseline only, not failed
+    assert regress.main([*argv, "--warn", "2", "--fail", "1.5"]) == 1
+
+
 # -- end to end ----------------------------------------------------------------------------
 
 
@@ -438,7 +645,7 @@ def _stores_of(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.timeout(420)
-def test_quick_run_end_to_end(tmp_path: Path) -> None:
+def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "quick"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
@@ -517,6 +724,22 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
                  "## Targets"):
         assert line in md
     assert "S3 save >= 90% of the raw limit" in proc.stdout
+    # the commit it ran at (a temporary folder: a dirty tree is recorded, not refused)
+    checkout = result["checkout"]
+    assert set(checkout) == {"commit", "dirty", "diff_sha256"}
+    assert f"Ran at commit {checkout['commit']}" in md
+    if checkout["dirty"]:
+        assert f"diff sha256 {checkout['diff_sha256'][:12]}" in md
+    # make bench-quick's guard, on this run against the committed full run (no second
+    # run): it compares the cases of both, relative to each run's limit, and fails only
+    # on a 3x slowdown
+    from benchmarks import regress
+
+    status = regress.main([str(out)])
+    printed = capsys.readouterr().out
+    compared = re.search(r"^compared (\d+) cases", printed, re.MULTILINE)
+    assert compared is not None and int(compared.group(1)) >= 10, printed
+    assert status == 0, printed
 
 
 def _check_case(case: dict[str, Any], info: dict[str, Any]) -> None:
