@@ -22,11 +22,16 @@ Resume (SeaweedFS runs): a step saved through ``Checkpointer(remote, local_tier=
 is loaded by freshly restarted ranks from the local tier, from SeaweedFS, and -- the
 reference -- a plain local dcpstore checkpoint of the same state.
 
-Method (as issue 17 asks of every benchmark): ``--runs`` runs per case in a seeded,
-balanced random order (rows of a Williams Latin square with randomly relabelled systems:
-each system precedes each other one equally often over a full square), the median over
-runs with the min-max spread, a quiet-machine check at the start, and the same request
-settings for every botocore-based client.
+Method (as issue 17 asks of every benchmark): ``--runs`` runs per case (6 by default)
+in a seeded, balanced random order (rows of a Williams Latin square with randomly
+relabelled systems, each row followed by its reverse: with an even ``--runs`` each system
+runs before each other one in exactly half the runs, and over a full square each system
+directly precedes each other one equally often; the resume loads are ordered the same
+way), the median over runs with the min-max spread, a quiet-machine check at the start,
+and the same request settings for every botocore-based client. Results written into
+``benchmarks/results`` (but not its ``tmp/``) refuse a tree with uncommitted changes
+unless ``--allow-dirty``; the commit and, for a dirty tree, the diff's SHA-256 are
+recorded (``checkout`` in ``results.json``).
 
 Examples::
 
@@ -54,7 +59,16 @@ from pathlib import Path
 from typing import Any
 
 from . import stall_systems
-from .env import add_output_args, check_memory, default_out, machine_info, versions
+from .env import (
+    DirtyTree,
+    add_output_args,
+    check_memory,
+    checkout_text,
+    default_out,
+    machine_info,
+    run_checkout,
+    versions,
+)
 from .ranks import Job, JobError, RankPool
 from .servers import StoreInfo, Stores
 from .systems import STALL_PREFIX
@@ -80,6 +94,9 @@ STORE_KINDS = {"local": "local", "seaweedfs": "s3"}
 _ASSUMED_MBPS = {"local": 900.0, "seaweedfs": 170.0}
 _LOAD_MBPS = {"local": 2000.0, "seaweedfs": 400.0}
 _MiB = 1 << 20
+#: Runs per case of the full mode: >= 5 for a median with a spread, even for a balanced
+#: order (see :func:`balanced_orders`).
+RUNS = 6
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "memory, and resume time: dcpstore vs torch dcp.async_save, "
                     "s3torchconnector and the copy limit.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Full defaults: --sizes 1GiB 4GiB --stores local seaweedfs --saves 5 --runs 3."
+        epilog="Full defaults: --sizes 1GiB 4GiB --stores local seaweedfs --saves 5 --runs 6."
                "\nQuick defaults: --sizes 16MiB --stores local --saves 2 --runs 1, no resume.")
     p.add_argument("--quick", action="store_true", help="CI smoke run (tiny, local only)")
     p.add_argument("--sizes", nargs="+", help="state sizes (whole state, all ranks)")
@@ -122,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mode = "quick" if q else "full"
     defaults = {"sizes": ["16MiB"] if q else ["1GiB", "4GiB"],
                 "stores": ["local"] if q else ["local", "seaweedfs"],
-                "saves": 2 if q else 5, "runs": 1 if q else 3}
+                "saves": 2 if q else 5, "runs": 1 if q else RUNS}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -163,17 +180,27 @@ def _williams(n: int) -> list[list[int]]:
 
 def balanced_orders(systems: list[str], runs: int, seed: int) -> list[list[str]]:
     """``runs`` orders of ``systems``: rows of a Williams square (see :func:`_williams`)
-    with the systems relabelled and the rows shuffled by ``seed``. Over a whole square
-    (``runs`` = n, or 2n for odd n) each system directly precedes each other one equally
-    often; more runs repeat the square, fewer take part of it."""
+    with the systems relabelled by ``seed``, in pairs: a row drawn at random (``seed``),
+    then its reverse. With an even ``runs`` each system runs before each other one in
+    exactly half the runs; over a whole square (``runs`` = n, or 2n for odd n) each
+    system also directly precedes each other one equally often. More runs repeat the
+    square, fewer take part of it (an odd ``runs`` ends with an unpaired row)."""
     if not systems:
         return [[] for _ in range(runs)]
     rng = random.Random(seed)
     labels = list(systems)
     rng.shuffle(labels)
     rows = _williams(len(labels))
-    rng.shuffle(rows)
-    return [[labels[i] for i in rows[r % len(rows)]] for r in range(runs)]
+    # row r + len(rows) / 2 of _williams is row r reversed: the square is made of pairs
+    half = rows[:len(rows) // 2] or rows
+    rng.shuffle(half)
+    paired = [row for base in half for row in (base, base[::-1])]
+    return [[labels[i] for i in paired[r % len(paired)]] for r in range(runs)]
+
+
+def _resume_orders(runs: int, seed: int) -> list[list[str]]:
+    """The order of the resume loads' sources in each run (balanced as the systems)."""
+    return balanced_orders(["tier", "remote", "local"], runs, seed * 1000)
 
 
 # -- the quiet-machine check ---------------------------------------------------------------
@@ -422,8 +449,7 @@ class _Suite:
         timeout = 300.0 + 4 * size / 2e6
         try:
             self._job("save", "resume-prep", store, path, spec, {}, timeout)
-            order = ["tier", "remote", "local"]
-            random.Random(self.args.seed * 1000 + rep).shuffle(order)
+            order = _resume_orders(rep + 1, self.args.seed)[rep]
             for source in order:
                 self.pool.restart()
                 ranks = self._job("load", f"resume[{source}]", store, path, spec, {}, timeout)
@@ -487,6 +513,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if args.render is not None:
         return _finish(json.loads((args.render / "results.json").read_text()), args.render)
+    try:  # before anything is measured
+        tree = run_checkout(args.out, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks.stall: {exc}", file=sys.stderr)
+        return 2
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     plan, skipped = build_plan(args)
     resume = args.resume and "seaweedfs" in args.stores
@@ -510,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         key=list(STORE_KINDS).index)
     pool = RankPool(args.world_size)
     compute: dict[tuple[int, str], float] = {}
+    #: "<size> <store>" -> the system order of every run ("... resume": the load sources)
+    orders: dict[str, list[list[str]]] = {}
 
     def result_of(suite: _Suite, stores: Stores, *, partial: bool) -> dict[str, Any]:
         cases = [copy.deepcopy(c) for c in suite.cases.values()
@@ -524,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m benchmarks.stall " + " ".join(shlex.quote(a) for a in (
                 sys.argv[1:] if argv is None else argv)),
             "machine": machine_info(),
+            "checkout": tree,
             "quiet": quiet,
             "versions": versions(),
             "config": {"mode": args.mode, "world_size": args.world_size, "saves": args.saves,
@@ -532,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                        "matmuls_per_s": rate, "resume": resume, "compute": args.compute,
                        "compute_s": {f"{format_bytes(k[0])} {k[1]}": v
                                      for k, v in compute.items()},
-                       "request_settings": stall_systems.REQUEST_SETTINGS},
+                       "request_settings": stall_systems.REQUEST_SETTINGS,
+                       "orders": orders},
             "stores": stores.describe(),
             "skipped": skipped + suite.skipped,
             "cases": cases,
@@ -550,11 +585,14 @@ def main(argv: list[str] | None = None) -> int:
             suite = _Suite(args, stores, pool, rate)
             for size, store, labels in plan:
                 compute[(size, store)] = cs = compute_seconds(args, store, size)
-                for rep, order in enumerate(balanced_orders(labels, args.runs, args.seed)):
+                key = f"{format_bytes(size)} {store}"
+                orders[key] = balanced_orders(labels, args.runs, args.seed)
+                for rep, order in enumerate(orders[key]):
                     for label in order:
                         suite.run_case(size, store, label, rep, cs)
                         _write_results(result_of(suite, stores, partial=True), args.out)
                 if resume and store == "seaweedfs":
+                    orders[f"{key} resume"] = _resume_orders(args.runs, args.seed)
                     for rep in range(args.runs):
                         suite.run_resume(size, rep)
                         _write_results(result_of(suite, stores, partial=True), args.out)
@@ -750,7 +788,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                   "that finished.**", ""]
     lines.append(f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), "
                  f"{format_bytes(m['memory_bytes'])} RAM, Linux {m['kernel']}, Python "
-                 f"{m['python']}, commit {m.get('git_commit')}. Versions: "
+                 f"{m['python']}, {checkout_text(result.get('checkout'), m.get('git_commit'))}. "
+                 "Versions: "
                  + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + ".")
     lines.append("")
     q = result.get("quiet", {})
