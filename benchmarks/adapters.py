@@ -17,6 +17,7 @@ from .wire import BOTOCORE_SETTINGS, TLS_TRUST
 from .workload import RankState, parse_size
 
 __all__ = [
+    "Grid",
     "OpContext",
     "Operation",
     "System",
@@ -28,6 +29,28 @@ __all__ = [
 ]
 
 _MiB = 1 << 20
+#: Options whose values are byte sizes (a label writes whole MiB as ``8MiB``).
+_SIZE_KEYS = frozenset({"part_size", "block_size"})
+
+
+class Grid(dict[str, tuple[Any, ...]]):
+    """A peer's tuning grid: the options crossed with each other (the mapping itself),
+    and the options tried one value at a time (:attr:`single`).
+
+    The mapping compares equal to a plain dict of the crossed options, so the crossed
+    grid reads as it always did. :func:`benchmarks.tuning.grid_points` adds, for every
+    :attr:`single` value but its first, one point: the crossed grid's first point with
+    that value. Every list of values starts with the library's default.
+
+    Attributes:
+        single: Option -> values (the default first) tried one at a time, on top of the
+            crossed grid's first point (its defaults).
+    """
+
+    def __init__(self, crossed: dict[str, tuple[Any, ...]],
+                 single: dict[str, tuple[Any, ...]] | None = None) -> None:
+        super().__init__(crossed)
+        self.single: dict[str, tuple[Any, ...]] = dict(single or {})
 
 
 @dataclass
@@ -93,8 +116,9 @@ class System:
     is_dcpstore: ClassVar[bool] = False
     #: One line for the report.
     description: ClassVar[str] = ""
-    #: Tuning grid of a peer: option -> values tried (their cross product); empty for
-    #: dcpstore (run at its defaults) and the limits (which have variants instead).
+    #: Tuning grid of a peer: option -> values tried (their cross product), a
+    #: :class:`Grid` where some options are tried one at a time; empty for dcpstore (run
+    #: at its defaults) and the limits (which have variants instead).
     grid: ClassVar[dict[str, tuple[Any, ...]]] = {}
     #: The grid options its reader uses (the others only change the save).
     reader_keys: ClassVar[frozenset[str]] = frozenset()
@@ -170,7 +194,7 @@ def parse_options_variant(variant: str) -> dict[str, Any]:
 def options_variant(options: dict[str, Any]) -> str:
     """The inverse of :func:`parse_options_variant` (sizes of whole MiB as ``8MiB``)."""
     def text(key: str, v: Any) -> str:
-        if key == "part_size" and isinstance(v, int) and v % _MiB == 0:
+        if key in _SIZE_KEYS and isinstance(v, int) and v % _MiB == 0:
             return f"{v // _MiB}MiB"
         return str(v)
 

@@ -42,8 +42,11 @@ botocore-based ones, ``SSL_CERT_FILE`` for aiohttp (GCS) and the CRT clients. Th
 environment is the same for every system of a store (:func:`environment`).
 
 **Peers at their best.** A peer's ``grid`` lists the options tried in the tuning phase
-(``benchmarks.tuning``); a peer label's bracket is either ``best`` (the options the
-tuning picked, per operation) or explicit options, ``msc[thread_count=4,part_size=8MiB]``.
+(``benchmarks.tuning``): threads (and part sizes) crossed, then one at a time
+(:class:`Grid`) the fsspec filesystems' ``block_size``, s3torchconnector's
+``reader_constructor`` and ``throughput_target_gbps``. A peer label's bracket is either
+``best`` (the options the tuning picked, per operation) or explicit options,
+``msc[thread_count=4,part_size=8MiB]``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Any, ClassVar
 
 from . import stall_systems
 from .adapters import (
+    Grid,
     OpContext,
     Operation,
     System,
@@ -69,7 +73,15 @@ from .workload import RankState
 
 __all__ = [
     "DEFAULT_SYSTEMS",
+    "GRID_GCSFS_BLOCK_SIZES",
+    "GRID_PART_SIZES",
+    "GRID_S3FS_BLOCK_SIZES",
+    "GRID_S3FS_CACHE_TYPES",
+    "GRID_S3TC_READERS",
+    "GRID_S3TC_THROUGHPUT",
+    "GRID_THREADS",
     "STALL_PREFIX",
+    "Grid",
     "OpContext",
     "Operation",
     "System",
@@ -89,6 +101,24 @@ _MiB = 1 << 20
 #: The tuning grid's values (``--grid`` overrides them): threads / concurrency and part size.
 GRID_THREADS: tuple[int, ...] = (1, 4, 8)
 GRID_PART_SIZES: tuple[int, ...] = (8 * _MiB, 32 * _MiB)
+#: Values tried one at a time (:class:`Grid`; the library's default first): the fsspec
+#: filesystems' block size (s3fs: 50 MiB, gcsfs: 5 MiB), the part size of their uploads
+#: (a file smaller than a block is one PUT) and what each read fetches beyond the bytes
+#: asked for (fsspec's ``readahead`` cache, their default).
+GRID_S3FS_BLOCK_SIZES: tuple[int, ...] = (50 * _MiB, 16 * _MiB, 128 * _MiB)
+GRID_GCSFS_BLOCK_SIZES: tuple[int, ...] = (5 * _MiB, 16 * _MiB, 64 * _MiB)
+#: s3fs's cache types: its default, and ``None`` (fsspec's ``"none"``: every read one GET
+#: of exactly its range; a label writes ``cache_type=None``, as ``none`` parses to
+#: ``None``). The grid lists the default only, so it adds no point: on moto, whose ranged
+#: GETs copy the whole object, a load without the cache took 46 s against 1.4-2.0
+#: (64 MiB, 1 rank). ``--grid cache_type=readahead,none`` (crossed) or ``--opt
+#: torch-fsspec-s3.cache_type=none`` tries it.
+GRID_S3FS_CACHE_TYPES: tuple[str | None, ...] = ("readahead", None)
+#: s3torchconnector's DCP reader (``S3ReaderConstructor``; 1.5's default first) and its
+#: CRT client's throughput target (Gbit/s, ``S3ClientConfig``; it sizes the connection
+#: pool), one at a time.
+GRID_S3TC_READERS: tuple[str, ...] = ("dcp_optimized", "sequential", "range_based")
+GRID_S3TC_THROUGHPUT: tuple[int, ...] = (10, 25, 100)
 
 # -- DCP systems ---------------------------------------------------------------------------
 
@@ -299,12 +329,35 @@ class TorchFS(DCPSystem):
 
 class TorchFsspec(DCPSystem):
     """torch's fsspec writer/reader (``sync_files=False``: object stores have no fsync,
-    and torch would fall back to a machine-wide ``os.sync()``)."""
+    and torch would fall back to a machine-wide ``os.sync()``).
+
+    Options: those of :attr:`fs_options` are the filesystem's (torch passes the writer's
+    and the reader's extra keyword arguments to ``fsspec.url_to_fs``, which builds the
+    filesystem with them: both get them); the rest (``thread_count``, ...) go to
+    ``FsspecWriter``, and the reader has none.
+    """
 
     protocol: ClassVar[str] = ""
+    #: Option -> the filesystem's keyword argument (torch opens every file with the
+    #: filesystem's defaults, so they are set on the filesystem).
+    fs_options: ClassVar[dict[str, str]] = {}
+    reader_keys = frozenset({"block_size"})
 
     def storage_options(self, ctx: OpContext) -> dict[str, Any]:
-        """fsspec filesystem keyword arguments."""
+        """fsspec filesystem keyword arguments: the store's, then :attr:`fs_options`."""
+        opts = self.store_options(ctx)
+        for key, kw in self.fs_options.items():
+            if key in ctx.options:
+                value = ctx.options[key]
+                if key == "block_size":
+                    value = int(value)
+                elif key == "cache_type" and value is None:
+                    value = "none"  # "none" parses to None (parse_option_value)
+                opts[kw] = value
+        return opts
+
+    def store_options(self, ctx: OpContext) -> dict[str, Any]:
+        """fsspec filesystem keyword arguments that point it at the store."""
         raise NotImplementedError
 
     def _uri(self, ctx: OpContext) -> str:
@@ -313,7 +366,8 @@ class TorchFsspec(DCPSystem):
     def writer(self, ctx: OpContext) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        opts = {"sync_files": False, **self.storage_options(ctx), **ctx.options}
+        rest = {k: v for k, v in ctx.options.items() if k not in self.fs_options}
+        opts = {"sync_files": False, **self.storage_options(ctx), **rest}
         return FsspecWriter(self._uri(ctx), **opts)
 
     def reader(self, ctx: OpContext) -> Any:
@@ -330,10 +384,15 @@ class TorchFsspecS3(TorchFsspec):
     description = "torch FsspecWriter / FsspecReader over s3fs"
     client_stack = "aiobotocore"
 
-    grid = {"thread_count": GRID_THREADS}
-    defaults = {"thread_count": 1}
+    grid = Grid({"thread_count": GRID_THREADS},
+                single={"block_size": GRID_S3FS_BLOCK_SIZES,
+                        "cache_type": GRID_S3FS_CACHE_TYPES[:1]})
+    reader_keys = frozenset({"block_size", "cache_type"})
+    defaults = {"thread_count": 1, "block_size": GRID_S3FS_BLOCK_SIZES[0],
+                "cache_type": GRID_S3FS_CACHE_TYPES[0]}
+    fs_options = {"block_size": "default_block_size", "cache_type": "default_cache_type"}
 
-    def storage_options(self, ctx: OpContext) -> dict[str, Any]:
+    def store_options(self, ctx: OpContext) -> dict[str, Any]:
         # config_kwargs: aiobotocore's AioConfig, the same settings as every botocore client
         return {"endpoint_url": ctx.store.endpoint_url,
                 "client_kwargs": {"region_name": ctx.store.region},
@@ -348,16 +407,21 @@ class TorchFsspecGCS(TorchFsspec):
     protocol = "gs"
     description = "torch FsspecWriter / FsspecReader over gcsfs"
     client_stack = "aiohttp"
-    grid = {"thread_count": GRID_THREADS}
-    defaults = {"thread_count": 1}
+    # gcsfs takes no default cache type: torch opens every file with the "readahead"
+    # cache of fsspec's buffered files
+    grid = Grid({"thread_count": GRID_THREADS}, single={"block_size": GRID_GCSFS_BLOCK_SIZES})
+    defaults = {"thread_count": 1, "block_size": GRID_GCSFS_BLOCK_SIZES[0]}
+    fs_options = {"block_size": "block_size"}
 
-    def storage_options(self, ctx: OpContext) -> dict[str, Any]:
+    def store_options(self, ctx: OpContext) -> dict[str, Any]:
         return {"endpoint_url": ctx.store.endpoint_url, "token": "anon"}
 
 
 class S3TorchConnector(DCPSystem):
     """s3torchconnector's DCP writer/reader. Options: ``part_size`` and
-    ``throughput_target_gbps`` go to its ``S3ClientConfig`` (writer and reader), the rest
+    ``throughput_target_gbps`` go to its ``S3ClientConfig`` (writer and reader),
+    ``reader_constructor`` (``dcp_optimized``, ``sequential``, ``range_based``: the
+    ``S3ReaderConstructor`` of that name) to ``S3StorageReader``, the rest
     (``thread_count``, ...) to ``S3StorageWriter``."""
 
     name = "s3torchconnector"
@@ -365,10 +429,16 @@ class S3TorchConnector(DCPSystem):
     requires = ("s3torchconnector", "s3torchconnectorclient")
     description = "s3torchconnector S3StorageWriter / S3StorageReader (default reader)"
     client_stack = "crt"
-    grid = {"thread_count": GRID_THREADS, "part_size": GRID_PART_SIZES}
-    reader_keys = frozenset({"part_size"})
-    defaults = {"thread_count": 1, "part_size": 8 * _MiB}
+    grid = Grid({"thread_count": GRID_THREADS, "part_size": GRID_PART_SIZES},
+                single={"reader_constructor": GRID_S3TC_READERS,
+                        "throughput_target_gbps": GRID_S3TC_THROUGHPUT})
+    reader_keys = frozenset({"part_size", "reader_constructor", "throughput_target_gbps"})
+    defaults = {"thread_count": 1, "part_size": 8 * _MiB,
+                "reader_constructor": GRID_S3TC_READERS[0],
+                "throughput_target_gbps": GRID_S3TC_THROUGHPUT[0]}
     _CLIENT_KEYS: ClassVar[tuple[str, ...]] = ("part_size", "throughput_target_gbps")
+    #: Options of the reader only (the writer ignores them).
+    _READER_KEYS: ClassVar[tuple[str, ...]] = ("reader_constructor",)
 
     def settings(self) -> dict[str, str]:
         return dict(CRT_SETTINGS)
@@ -379,21 +449,45 @@ class S3TorchConnector(DCPSystem):
         client = {k: ctx.options[k] for k in self._CLIENT_KEYS if k in ctx.options}
         if "part_size" in client:
             client["part_size"] = int(client["part_size"])
+        if "throughput_target_gbps" in client:
+            client["throughput_target_gbps"] = float(client["throughput_target_gbps"])
         return S3ClientConfig(force_path_style=True, **client)
 
     def writer(self, ctx: OpContext) -> Any:
         from s3torchconnector.dcp import S3StorageWriter
 
-        rest = {k: v for k, v in ctx.options.items() if k not in self._CLIENT_KEYS}
+        rest = {k: v for k, v in ctx.options.items()
+                if k not in self._CLIENT_KEYS and k not in self._READER_KEYS}
         # the endpoint comes from AWS_ENDPOINT_URL (see environment())
         return S3StorageWriter(ctx.store.region, f"s3://{ctx.store.root}/{ctx.path}",
                                s3client_config=self._config(ctx), **rest)
 
+    @staticmethod
+    def reader_constructor(kind: str | None) -> Any:
+        """The ``S3ReaderConstructor`` called ``kind`` (``None``: the reader's default).
+
+        Raises:
+            ValueError: This s3torchconnector has no reader of that name.
+        """
+        if kind is None:
+            return None
+        from s3torchconnector import S3ReaderConstructor
+
+        make = getattr(S3ReaderConstructor, kind, None) if kind in GRID_S3TC_READERS else None
+        if make is None:
+            raise ValueError(f"s3torchconnector: no reader_constructor {kind!r} (one of "
+                             f"{', '.join(GRID_S3TC_READERS)})")
+        return make()
+
     def reader(self, ctx: OpContext) -> Any:
         from s3torchconnector.dcp import S3StorageReader
 
+        extra: dict[str, Any] = {}
+        constructor = self.reader_constructor(ctx.options.get("reader_constructor"))
+        if constructor is not None:
+            extra["reader_constructor"] = constructor
         return S3StorageReader(ctx.store.region, f"s3://{ctx.store.root}/{ctx.path}",
-                               s3client_config=self._config(ctx))
+                               s3client_config=self._config(ctx), **extra)
 
 
 class MSC(DCPSystem):

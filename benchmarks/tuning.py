@@ -1,13 +1,15 @@
 """The tuning phase: each peer's best setting from a small grid, per store.
 
-Before the timed runs, every peer with a ``grid`` (:attr:`benchmarks.systems.System.grid`:
-threads 1/4/8, and part size 8/32 MiB for s3torchconnector and MSC) saves and loads a
-smaller state at every point of its grid, ``--tune-runs`` times (1), in a balanced
+Before the timed runs, every peer with a ``grid`` (:attr:`benchmarks.systems.System.grid`)
+saves and loads a smaller state at every point of its grid (:func:`grid_points`): threads
+1/4/8, and part size 8/32 MiB for s3torchconnector and MSC, crossed; then, one at a time
+at the crossed grid's defaults, the fsspec filesystems' block size, s3torchconnector's
+reader type and its CRT throughput target. ``--tune-runs`` times (1), in a balanced
 random order like the main runs. Then the leading points (:func:`leaders`: per peer, the
-``--tune-confirm`` (2) fastest saves and the as many fastest readers) run once more,
-so that a point is not picked on one lucky run while points that were never close are
-not repeated. Per operation, the point with the shortest time (the fastest of its
-runs) is the peer's best; for the load only the options its reader uses count
+``--tune-confirm`` (2) fastest saves and the as many fastest readers) run once more, so
+that a point is not picked on one lucky run while points that were never close are not
+repeated. Per operation, the point with the shortest time (the fastest of its runs) is
+the peer's best; for the load only the options its reader uses count
 (:attr:`~benchmarks.systems.System.reader_keys`; none: the reader's defaults). The main
 runs then run each peer at its defaults **and** as ``<peer>[best]``, and the targets are
 judged against the faster of the two. Every point's figures are in the results.
@@ -45,11 +47,38 @@ def parse_grid(items: list[str]) -> dict[str, tuple[Any, ...]]:
 
 def grid_points(grid: dict[str, tuple[Any, ...]], override: dict[str, tuple[Any, ...]]
                 ) -> list[dict[str, Any]]:
-    """The cross product of a peer's grid, ``override`` replacing the values of the
-    options it names (options the peer does not have are ignored)."""
-    keys = sorted(grid)
-    values = [override.get(k, grid[k]) for k in keys]
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+    """A peer's grid points: the cross product of its crossed options, then one point per
+    value of an option tried one at a time (:class:`benchmarks.adapters.Grid`).
+
+    ``override`` (``--grid``) replaces the values of the options it names (options the
+    peer does not have are ignored). A one-at-a-time option it names joins the cross
+    product with those values; one it does not name is tried (each value but its default,
+    the first, at the crossed grid's first point) only when ``override`` changes none of
+    the peer's options, so that ``--grid`` pins a peer to the points it asks for (quick
+    mode's one point per peer).
+
+    Args:
+        grid: The peer's :attr:`~benchmarks.adapters.System.grid`.
+        override: ``--grid``'s values per option (:func:`parse_grid`).
+
+    Returns:
+        The points, each ``{option: value}``, crossed points first, no point twice.
+    """
+    single: dict[str, tuple[Any, ...]] = dict(getattr(grid, "single", {}))
+    crossed = {**grid, **{k: v for k, v in single.items() if k in override}}
+    keys = sorted(crossed)
+    values = [override.get(k, crossed[k]) for k in keys]
+    points = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+    if single and not any(k in override for k in (*grid, *single)):
+        base = {k: v[0] for k, v in zip(keys, values, strict=True) if v}
+        for key in sorted(single):
+            for value in single[key][1:]:
+                points.append({**base, key: value})
+    out: list[dict[str, Any]] = []
+    for point in points:
+        if point not in out:
+            out.append(point)
+    return out
 
 
 def point_label(name: str, options: dict[str, Any]) -> str:
