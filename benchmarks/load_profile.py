@@ -18,8 +18,16 @@ order (:func:`benchmarks.runner.balanced_order`), reporting the median with its 
   DCP (the copy out of the page cache alone: this process's limit);
 - ``crc-pass``: CRC32C over the loaded tensors, from memory (one second pass).
 
+Then, with ``--ranks 2`` (the default), the same two-rank load as the throughput
+benchmark's: two gloo processes each load their half of ``--mib`` MiB, and of ``--small``
+MiB (a small state), ``--runs`` times; each reports ``dcpstore.load``'s time and the part
+of it in the reader's ``read_data`` (the bytes: fetch, checksum, decode, deliver). The
+rest is the load's fixed cost: DCP's planning and its collectives, ``.metadata`` and the
+manifest.
+
 ``--profile`` adds a ``cProfile`` of the ``dcpstore`` variant (``profile.txt``: the main
-thread; the reads run on the backend's worker threads). Results: ``results.json`` and
+thread; the reads run on the backend's worker threads) and of rank 0's small-state loads
+(``profile-ranks.txt``, by cumulative time). Results: ``results.json`` and
 ``results.md`` under ``--out``, with the commit they ran at (a dirty tree is refused for
 the committed results tree unless ``--allow-dirty``).
 """
@@ -116,6 +124,91 @@ def _variants(root: str, dest: dict[str, Any]) -> dict[str, Callable[[], None]]:
             "crc-pass": crc_pass}
 
 
+def _rank(rank: int, world: int, port: int, root: str, mib: list[int], runs: int,
+          profile: bool, results: Any) -> None:
+    """One rank of the multi-rank part: its figures go to ``results`` (rank 0's)."""
+    import torch
+    import torch.distributed as dist
+
+    import dcpstore
+    from dcpstore.dcp import reader as reader_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spent: list[float] = []
+    read_data = reader_module.Reader.read_data
+
+    def timed(self: Any, plan: Any, planner: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return read_data(self, plan, planner)
+        finally:
+            spent.append(time.perf_counter() - started)
+
+    reader_module.Reader.read_data = timed  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    for size in mib:
+        state = {f"r{rank}.{k}": v for k, v in _state(max(1, size // world)).items()}
+        if size // world < 8:  # a small state: 16 tensors of its size
+            g = torch.Generator().manual_seed(rank)
+            n = max(1, size * MiB // world // 4 // 16)
+            state = {f"r{rank}.layers.{i}.weight": torch.randn(n, generator=g)
+                     for i in range(16)}
+        where = os.path.join(root, f"{size}MiB")
+        dcpstore.save(state, where, overwrite=True)
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        for _ in range(2):
+            dcpstore.load(dest, where)
+        spent.clear()
+        total: list[float] = []
+        for _ in range(runs):
+            dist.barrier()
+            started = time.perf_counter()
+            dcpstore.load(dest, where)
+            total.append(time.perf_counter() - started)
+        if not all(torch.equal(dest[k], v) for k, v in state.items()):
+            raise AssertionError(f"rank {rank}: a load did not restore the saved state")
+        text = None
+        if profile and size == min(mib) and rank == 0:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(runs):
+                dcpstore.load(dest, where)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumtime").print_stats(40)
+            text = buf.getvalue()
+        elif profile and size == min(mib):
+            for _ in range(runs):
+                dcpstore.load(dest, where)
+        out[str(size)] = {"bytes_per_rank": sum(t.nbytes for t in state.values()),
+                          "load_s": total, "read_data_s": list(spent), "profile": text}
+    if rank == 0:
+        results.put(out)
+    dist.barrier()
+    os._exit(0)  # gloo may abort a rank at interpreter exit after a save
+
+
+def _ranks(world: int, mib: list[int], runs: int, profile: bool) -> dict[str, Any]:
+    import torch.multiprocessing as tmp_mp
+
+    from dcpstore.testing.servers import free_port
+
+    # spawn: this process already ran thread pools, and a fork could inherit a held lock
+    ctx = tmp_mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="dcpstore-load-profile-ranks-") as root:
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, world, port, root, mib, runs, profile,
+                                                 results)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        out: dict[str, Any] = results.get(timeout=600)
+        for proc in procs:
+            proc.join(timeout=60)
+    return out
+
+
 def _summary(seconds: list[float], nbytes: int) -> dict[str, float]:
     return {"median_s": statistics.median(seconds), "min_s": min(seconds),
             "max_s": max(seconds), "mbps": nbytes / statistics.median(seconds) / 1e6}
@@ -139,6 +232,22 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines += ["", "`x raw-preadv` is the speed against reading the same bytes out of the "
               "page cache with no DCP (for `crc-pass`, which moves no bytes from the "
               "files, it says how its cost compares)."]
+    ranks = result.get("ranks")
+    if ranks:
+        lines += ["", f"## {cfg['ranks']} ranks (gloo), rank 0's figures", "",
+                  "| state | per rank | load ms | read_data ms | fixed ms (the rest) |",
+                  "|---|--:|--:|--:|--:|"]
+        for size, r in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+            load, read = r["load"], r["read_data"]
+            lines.append(
+                f"| {size} MiB | {r['bytes_per_rank'] / MiB:.0f} MiB | "
+                f"{load['median_s'] * 1e3:.1f} ({load['min_s'] * 1e3:.1f}-"
+                f"{load['max_s'] * 1e3:.1f}) | {read['median_s'] * 1e3:.1f} "
+                f"({read['min_s'] * 1e3:.1f}-{read['max_s'] * 1e3:.1f}) | "
+                f"{(load['median_s'] - read['median_s']) * 1e3:.1f} |")
+        lines += ["", "`read_data` is the reader's part (fetch, checksum, decode, deliver); "
+                  "the rest of `dcpstore.load` is DCP's planning and its collectives, "
+                  "`.metadata` and the manifest."]
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=512, help="state size in MiB (default 512)")
     p.add_argument("--runs", type=int, default=6, help="runs per variant (default 6)")
     p.add_argument("--seed", type=int, default=33)
+    p.add_argument("--ranks", type=int, default=2,
+                   help="ranks of the multi-rank part (0: leave it out; default 2)")
+    p.add_argument("--small", type=int, default=8,
+                   help="the small state of the multi-rank part, MiB (default 8)")
     p.add_argument("--profile", action="store_true", help="also cProfile the dcpstore load")
     add_output_args(p, "load-profile", "results.md")
     args = p.parse_args(argv)
@@ -191,16 +304,27 @@ def main(argv: list[str] | None = None) -> int:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
             profile = text.getvalue()
+    ranks: dict[str, Any] = {}
+    rank_profile = None
+    if args.ranks > 1:
+        for size, r in _ranks(args.ranks, [args.mib, args.small], args.runs,
+                              args.profile).items():
+            rank_profile = r.pop("profile") or rank_profile
+            ranks[size] = {**r, "load": _summary(r["load_s"], r["bytes_per_rank"]),
+                           "read_data": _summary(r["read_data_s"], r["bytes_per_rank"])}
     result = {"checkout": checkout, "machine": machine_info(), "command": sys.argv,
               "config": {"mib": args.mib, "runs": args.runs, "seed": args.seed,
-                         "bytes": nbytes},
+                         "bytes": nbytes, "ranks": args.ranks, "small": args.small},
               "orders": orders, "seconds": seconds,
-              "summary": {name: _summary(s, nbytes) for name, s in seconds.items()}}
+              "summary": {name: _summary(s, nbytes) for name, s in seconds.items()},
+              "ranks": ranks}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(render_markdown(result))
     if profile is not None:
         (out / "profile.txt").write_text(profile)
+    if rank_profile is not None:
+        (out / "profile-ranks.txt").write_text(rank_profile)
     print(render_markdown(result))
     return 0
 

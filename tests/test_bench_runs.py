@@ -221,9 +221,15 @@ def test_load_profile_runs_every_variant(tmp_path: Path) -> None:
     from benchmarks import load_profile
 
     out = tmp_path / "lp"
-    assert load_profile.main(["--mib", "16", "--runs", "2", "--out", str(out)]) == 0
+    assert load_profile.main(["--mib", "16", "--small", "2", "--runs", "2",
+                              "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
     assert set(result["summary"]) == set(load_profile.VARIANTS)
+    # the two-rank part: each state's loads, and their read_data part within them
+    assert set(result["ranks"]) == {"16", "2"}
+    for r in result["ranks"].values():
+        assert len(r["load_s"]) == len(r["read_data_s"]) == 2
+        assert 0 < r["read_data"]["median_s"] < r["load"]["median_s"]
     assert all(len(s) == 2 for s in result["seconds"].values())
     assert result["orders"][1] == result["orders"][0][::-1]  # balanced
     assert "x raw-preadv" in (out / "results.md").read_text()
