@@ -11,6 +11,7 @@ import http.server
 import json
 import threading
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 import dcpstore
 from dcpstore.errors import BucketNotFoundError, ObjectTooLargeError
+from dcpstore.storage import reads
 from dcpstore.storage.backend import ReadRange
 from dcpstore.storage.store_backend import StoreBackend, StoreUpload
 from dcpstore.testing import BackendConformance, HTTPEndpoint, assert_state_equal
@@ -269,6 +271,26 @@ def test_ranged_reads_are_exact(backend: StoreBackend) -> None:
     with pytest.raises(OSError, match="shorter than|ends at"):
         list(backend.read_ranges([ReadRange("r", len(data) + 10, 5)]))
 
+
+
+def test_store_checksums_chunks_as_they_land(backend: StoreBackend,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store computes the CRC32C of the buffers asked for inside its read, as each
+    chunk is copied in (not after the request), and skips empty buffers."""
+    MiB = 1 << 20
+    data = bytes(range(256)) * 8192  # 2 MiB: several chunks from aiohttp
+    backend.put("c", data)
+    outs = [memoryview(bytearray(n)) for n in (5, 0, MiB, 100)]
+    checksums: dict[int, int | None] = {2: None, 3: None}
+    def fail(*_: Any) -> int:
+        raise AssertionError("the framework checksummed what the store should have")
+
+    monkeypatch.setattr(reads, "crc32c", types.SimpleNamespace(crc32c=fail))
+    got = list(backend.read_ranges([ReadRange("c", 7, 5 + MiB + 100)], [outs],
+                                   checksums=[checksums]))
+    assert got[0][0] == 0
+    assert b"".join(bytes(o) for o in outs) == data[7:7 + 5 + MiB + 100]
+    assert checksums == {2: crc32c(outs[2]), 3: crc32c(outs[3])}
 
 # -- errors --------------------------------------------------------------------------------
 

@@ -268,11 +268,19 @@ class JsonApi:
             if not token:
                 return items, prefixes
 
-    async def read_range(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
-        """One ranged GET streamed into ``outs`` in order (no staging buffer)."""
+    async def read_range(self, name: str, offset: int, outs: Sequence[memoryview],
+                         checksums: dict[int, int | None] | None = None) -> None:
+        """One ranged GET streamed into ``outs`` in order (no staging buffer).
+
+        ``checksums``: indices of ``outs`` whose CRC32C to put there, each chunk
+        checksummed right after it is copied in, while it is in the CPU's cache.
+        """
         session = await self.client.session()
-        views = [o if o.format == "B" and o.ndim == 1 else o.cast("B") for o in outs if len(o)]
-        want = sum(len(v) for v in views)
+        # (index in outs, a byte view of it), empty buffers left out
+        views = [(j, o if o.format == "B" and o.ndim == 1 else o.cast("B"))
+                 for j, o in enumerate(outs) if len(o)]
+        want = sum(len(v) for _, v in views)
+        crc = 0
         url = self.url("o", quote_name(name))
         hdrs = self.client.headers(self._keyed(
             {"Range": f"bytes={offset}-{offset + want - 1}"}))
@@ -291,14 +299,18 @@ class JsonApi:
                     cut = min(skip, len(view))
                     view, skip = view[cut:], skip - cut
                 while view and pos < want:
-                    dest = views[piece]
+                    j, dest = views[piece]
                     take = min(len(view), len(dest) - filled)
                     dest[filled:filled + take] = view[:take]
+                    if checksums is not None and j in checksums:
+                        crc = crc32c(dest[filled:filled + take], crc)
                     view = view[take:]
                     filled += take
                     pos += take
                     if filled == len(dest):
-                        piece, filled = piece + 1, 0
+                        if checksums is not None and j in checksums:
+                            checksums[j] = crc
+                        piece, filled, crc = piece + 1, 0, 0
                 if pos >= want:
                     break
         if pos < want:
