@@ -82,7 +82,15 @@ demo: setup
 # downloads and unpacking; their log is .venv-torch/setup.log, printed if one fails),
 # so they are ready when the whole suite ends. Both stay
 # under 60 minutes on 2 cores (docs/torch-matrix.md).
+# make test's venvs (the torch matrix's CUDA builds, the seed systems) take ~33 GiB here,
+# its servers and checkpoints a few more: a disk short of that fails tests with
+# "No space left on device" (SeaweedFS: HTTP 500), so say so first.
+TEST_DISK_GIB = 40
 test: setup
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(TEST_DISK_GIB) ]; then echo "warning: $$free GiB free on this" \
+	    "disk; make test needs about $(TEST_DISK_GIB) GiB (venvs of the torch matrix and" \
+	    "the seed systems, servers' data): tests may fail with 'No space left on device'"; fi
 	@mkdir -p .venv-torch
 	@$(MAKE) --no-print-directory matrix-venvs seed-venvs > .venv-torch/setup.log 2>&1 & venvs=$$!; \
 	$(BIN)/python -m pytest -q --durations=20; main=$$?; \
