@@ -220,9 +220,15 @@ class Dcpstore(DCPSystem):
         return dcpstore.get_writer(self.uri(ctx), **self._options(ctx, dcpstore.WriterOptions))
 
     def reader(self, ctx: OpContext) -> Any:
+        import torch.distributed as dist
+
         import dcpstore
 
-        return dcpstore.get_reader(self.uri(ctx), **self._options(ctx, dcpstore.ReaderOptions))
+        # the load's group, as dcpstore.load passes it: .metadata is read once and bytes
+        # several ranks need (a reshard) are read once and shared
+        group = {"process_group": None} if dist.is_initialized() else {}
+        return dcpstore.get_reader(self.uri(ctx), **group,
+                                   **self._options(ctx, dcpstore.ReaderOptions))
 
     @staticmethod
     def _backend_figures(obj: Any) -> dict[str, Any]:
