@@ -6,7 +6,8 @@ ran at; a dirty tree is refused unless ``--allow-dirty``), :func:`run_checkout` 
 harnesses' policy: refused only for results written into the committed results tree)
 and :func:`checkout_text` (how a report names the commit), :func:`check_memory`
 (whether a case fits in the memory free now) and a suite's results folder
-(:func:`add_output_args`, :func:`default_out`).
+(:func:`add_output_args`, :func:`default_out`, :func:`start_results`,
+:func:`write_results`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,8 @@ from .workload import format_bytes
 
 __all__ = ["COMMITTED_RESULTS", "REPO", "DirtyTree", "add_output_args", "check_memory",
            "checkout", "checkout_text", "default_out", "git_commit", "machine_info",
-           "run_checkout", "versions", "writes_committed_results"]
+           "run_checkout", "start_results", "versions", "write_results",
+           "writes_committed_results"]
 
 #: The checkout's root.
 REPO = Path(__file__).resolve().parent.parent
@@ -119,6 +124,39 @@ def run_checkout(out: Path | None, allow_dirty: bool) -> dict[str, Any]:
     """
     committed = out is not None and writes_committed_results(out)
     return checkout(allow_dirty=allow_dirty or not committed)
+
+
+def start_results(args: argparse.Namespace, prog: str, prefix: str,
+                  render: Callable[[dict[str, Any]], str]) -> tuple[Path, dict[str, Any]] | int:
+    """The start a small suite's ``main`` shares (after :func:`add_output_args`).
+
+    Returns:
+        With ``--render DIR``: 0, after rebuilding ``DIR/results.md`` from
+        ``DIR/results.json`` with ``render``. Otherwise the results folder (``--out`` or
+        :func:`default_out` of ``prefix``) and :func:`run_checkout`'s record, or 2 after
+        printing why ``prog`` refuses a dirty tree.
+    """
+    if args.render:
+        result = json.loads((args.render / "results.json").read_text())
+        (args.render / "results.md").write_text(render(result))
+        return 0
+    out: Path = args.out or default_out(prefix)
+    try:
+        return out, run_checkout(out, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"{prog}: refusing to run: {exc}", file=sys.stderr)
+        return 2
+
+
+def write_results(out: Path, result: dict[str, Any],
+                  render: Callable[[dict[str, Any]], str]) -> str:
+    """Write ``results.json`` and ``results.md`` (``render(result)``) under ``out``;
+    return the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    text = render(result)
+    (out / "results.md").write_text(text)
+    return text
 
 
 def checkout_text(info: dict[str, Any] | None, fallback: str | None = None) -> str:

@@ -38,7 +38,6 @@ import argparse
 import cProfile
 import glob
 import io
-import json
 import os
 import pstats
 import statistics
@@ -47,27 +46,27 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .env import (
-    DirtyTree,
     add_output_args,
     checkout_text,
-    default_out,
     machine_info,
-    run_checkout,
+    start_results,
+    write_results,
 )
 from .runner import balanced_order
 
-__all__ = ["VARIANTS", "main"]
+__all__ = ["VARIANTS", "layered_state", "main"]
 
 MiB = 1024 * 1024
 VARIANTS = ("dcpstore", "dcpstore-crc-after", "dcpstore-unverified", "raw-preadv",
             "crc-pass")
 
 
-def _state(mib: int) -> dict[str, Any]:
+def layered_state(mib: int) -> dict[str, Any]:
+    """About ``mib`` MiB of seeded float32 tensors: one 8 MiB weight and one 16 KiB norm
+    per layer, the layers of a model."""
     import torch
 
     g = torch.Generator().manual_seed(33)
@@ -148,7 +147,7 @@ def _rank(rank: int, world: int, port: int, root: str, mib: list[int], runs: int
     reader_module.Reader.read_data = timed  # type: ignore[method-assign]
     out: dict[str, Any] = {}
     for size in mib:
-        state = {f"r{rank}.{k}": v for k, v in _state(max(1, size // world)).items()}
+        state = {f"r{rank}.{k}": v for k, v in layered_state(max(1, size // world)).items()}
         if size // world < 8:  # a small state: 16 tensors of its size
             g = torch.Generator().manual_seed(rank)
             n = max(1, size * MiB // world // 4 // 16)
@@ -271,23 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="also cProfile the dcpstore load")
     add_output_args(p, "load-profile", "results.md")
     args = p.parse_args(argv)
-    if args.render:
-        result = json.loads((args.render / "results.json").read_text())
-        (args.render / "results.md").write_text(render_markdown(result))
-        return 0
-    out: Path = args.out or default_out("load-profile")
-    try:
-        checkout = run_checkout(out, args.allow_dirty)
-    except DirtyTree as exc:
-        print(f"python -m benchmarks.load_profile: refusing to run: {exc}", file=sys.stderr)
-        return 2
+    started = start_results(args, "python -m benchmarks.load_profile", "load-profile",
+                            render_markdown)
+    if isinstance(started, int):
+        return started
+    out, checkout = started
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     import torch
 
     import dcpstore
 
     with tempfile.TemporaryDirectory(prefix="dcpstore-load-profile-") as tmp:
-        state = _state(args.mib)
+        state = layered_state(args.mib)
         nbytes = sum(t.nbytes for t in state.values())
         dcpstore.save(state, tmp)
         dest = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -324,14 +318,12 @@ def main(argv: list[str] | None = None) -> int:
               "orders": orders, "seconds": seconds,
               "summary": {name: _summary(s, nbytes) for name, s in seconds.items()},
               "ranks": ranks}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(render_markdown(result))
+    text = write_results(out, result, render_markdown)
     if profile is not None:
         (out / "profile.txt").write_text(profile)
     if rank_profile is not None:
         (out / "profile-ranks.txt").write_text(rank_profile)
-    print(render_markdown(result))
+    print(text)
     return 0
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import resource
@@ -50,14 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from .env import (
-    DirtyTree,
     add_output_args,
     checkout_text,
-    default_out,
     machine_info,
-    run_checkout,
+    start_results,
+    write_results,
 )
-from .load_profile import _state
+from .load_profile import layered_state
 from .runner import balanced_order
 
 __all__ = ["BUCKETS", "bucket_of", "main"]
@@ -154,7 +152,7 @@ def _profile_store(info: Any, mib: int, runs: int, seed: int, rate: int,
 
     os.environ.update(info.env)
     uri, opts = info.uri("store-profile"), dict(info.options)
-    state = _state(mib)
+    state = layered_state(mib)
     nbytes = sum(t.nbytes for t in state.values())
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     ops: dict[str, Callable[[], None]] = {
@@ -239,16 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=33)
     add_output_args(p, "store-profile", "results.md")
     args = p.parse_args(argv)
-    if args.render:
-        result = json.loads((args.render / "results.json").read_text())
-        (args.render / "results.md").write_text(render_markdown(result))
-        return 0
-    out: Path = args.out or default_out("store-profile")
-    try:
-        checkout = run_checkout(out, args.allow_dirty)
-    except DirtyTree as exc:
-        print(f"python -m benchmarks.store_profile: refusing to run: {exc}", file=sys.stderr)
-        return 2
+    started = start_results(args, "python -m benchmarks.store_profile", "store-profile",
+                            render_markdown)
+    if isinstance(started, int):
+        return started
+    out, checkout = started
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     from .servers import Stores
 
@@ -262,10 +255,8 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"stores": args.stores, "mib": args.mib, "runs": args.runs,
                          "seed": args.seed, "rate": args.rate},
               "stores": stores}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(render_markdown(result))
-    print(render_markdown(result))
+    text = write_results(out, result, render_markdown)
+    print(text)
     return 0
 
 

