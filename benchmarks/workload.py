@@ -283,7 +283,6 @@ class RankState:
     _shards: list[_Shard] = field(init=False)
     _expected: dict[str, torch.Tensor] | None = field(default=None, init=False)
     _destination: dict[str, torch.Tensor] | None = field(default=None, init=False)
-    _concat: bytearray | None = field(default=None, init=False)
     #: Whether the source tensors hold the expected values (``False`` while an in-place
     #: load's destination is not yet checked).
     _source_valid: bool = field(default=True, init=False)
@@ -386,23 +385,15 @@ class RankState:
         return [_byte_view(tensors[s.plan.name]) for s in self._shards]
 
     def concat(self) -> bytearray:
-        """This rank's shards back to back (cached): what the raw limits move."""
-        if self._concat is None:
-            buf = bytearray(self.share_bytes)
-            pos = 0
-            tensors = self._expected_locals()
-            for s in self._shards:
-                if not s.nbytes:
-                    continue
-                if self._source_valid:
-                    buf[pos:pos + s.nbytes] = _byte_view(tensors[s.plan.name])
-                else:  # the source holds an unchecked in-place load: regenerate
-                    _fill(torch.frombuffer(buf, dtype=torch.float32, offset=pos,
-                                           count=s.nbytes // _ELEM),
-                          s.start, s.plan.index, self.spec.seed)
-                pos += s.nbytes
-            self._concat = buf
-        return self._concat
+        """This rank's shards back to back: what the raw limits move. A new buffer each
+        call, not kept: at 4 GiB a cached copy was 2 GiB more per rank, and two ranks
+        with SeaweedFS no longer fitted in 23 GiB. Callers keep what they need."""
+        buf = bytearray(self.share_bytes)
+        pos = 0
+        for view in self.local_views("source"):
+            buf[pos:pos + len(view)] = view
+            pos += len(view)
+        return buf
 
     def release_destination(self) -> None:
         """Free the load destination (the stall suite's large states need the memory)."""

@@ -246,3 +246,20 @@ def test_a_server_past_its_budget_is_replaced_by_a_fresh_one(tmp_path: Path) -> 
         assert stores.proxies["seaweedfs"].stats.requests.get("PUT", 0) == 1
         stores.delete("seaweedfs", "new")
         assert stores.describe()["seaweedfs"]["fresh_restarts"] == 1
+
+
+def test_limit_buffer_holds_the_shards_and_a_changed_byte_is_caught(state: RankState) -> None:
+    """The limits' scratch buffer is filled and checked shard by shard (no concatenated
+    copy is kept: at 4 GiB it was 2 GiB more per rank); one changed byte in any shard,
+    the last one included, fails the check."""
+    from benchmarks.limits import _destination, _matches, _source
+
+    view = _source(state)
+    expected = state.concat()
+    assert bytes(view[:len(expected)]) == bytes(expected) and _matches(view, state)
+    for at in (0, len(expected) // 2 + 1, len(expected) - 1):
+        view[at] ^= 0xFF
+        assert not _matches(view, state)
+        view[at] ^= 0xFF
+    assert _matches(view, state)
+    assert not _matches(_destination(state), state)
