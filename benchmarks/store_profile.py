@@ -1,7 +1,7 @@
 """Where an object-store save and load's time goes: one process, a stand-in server, CPU.
 
 ``python -m benchmarks.store_profile [--stores seaweedfs gcs] [--mib 256] [--runs 6]
-[--out DIR]``
+[--msc] [--out DIR]``
 
 On two cores the client and the stand-in server share the CPUs, so a save or load that
 spends more CPU than the limit's client is slower by about that much (issue 33: S3 and
@@ -22,6 +22,11 @@ operation:
   a wait (:data:`WAITING`) are counted apart: sampling without pausing the process can
   see a waiting thread as running. A native function (a ``memcpy``, the CRC32C
   library) shows as the Python line that called it.
+
+With ``--msc``, each S3 store is also profiled through dcpstore's MSC backend
+(``msc://<profile>/...``, the same profile as the throughput benchmark's ``dcpstore-msc``),
+reported as ``<store> via msc``. moto runs in this process (threads), so its CPU is in
+this process's figures and samples (its own bucket), and its "server CPU" is zero.
 
 The limits' CPU per GiB is in the throughput benchmark's results (``CPU s/GiB``), for the
 same bytes on the same server. Results: ``results.json`` and ``results.md`` under
@@ -74,6 +79,9 @@ BUCKETS: tuple[tuple[str, str], ...] = (
     ("event loop (asyncio, aiohttp)", r"asyncio/|aiohttp/|selectors\.py|yarl/|multidict/"),
     ("botocore (signing, parsing, requests)", r"botocore/|boto3/|urllib3/|s3transfer/"),
     ("gcsfs", r"gcsfs/"),
+    ("moto server (in this process)", r"moto/|werkzeug/|flask/|xmltodict|responses/"),
+    ("multi-storage-client", r"multistorageclient/"),
+    ("temporary files (MSC spool)", r"tempfile\.py|shutil\.py"),
     ("threads and queues", r"threading\.py|queue\.py|concurrent/futures"),
     ("dcpstore", r"dcpstore|dcpstore_\w+/"),
 )
@@ -144,14 +152,23 @@ def _sample(op: Callable[[], None], runs: int, rate: int, path: Path) -> dict[st
             "top": leaves.most_common(15)}
 
 
+def _target(info: Any, via_msc: bool) -> tuple[str, dict[str, Any]]:
+    """The URI and options a profile saves to: the store's own dcpstore backend, or
+    dcpstore's MSC backend over the store's MSC profile."""
+    if not via_msc:
+        return info.uri("store-profile"), dict(info.options)
+    return f"msc://{info.msc_profile}/store-profile", {"config": info.msc_config}
+
+
 def _profile_store(info: Any, mib: int, runs: int, seed: int, rate: int,
-                   workdir: Path) -> dict[str, Any]:
+                   workdir: Path, via_msc: bool = False) -> dict[str, Any]:
     import torch
 
     import dcpstore
 
     os.environ.update(info.env)
-    uri, opts = info.uri("store-profile"), dict(info.options)
+    uri, opts = _target(info, via_msc)
+    label = f"{info.name}-msc" if via_msc else info.name
     state = layered_state(mib)
     nbytes = sum(t.nbytes for t in state.values())
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -173,7 +190,7 @@ def _profile_store(info: Any, mib: int, runs: int, seed: int, rate: int,
             cpu[op].append(_cpu_self() - c0)
             server[op].append(_cpu_servers() - s0)
     if not all(torch.equal(dest[k], v) for k, v in state.items()):
-        raise AssertionError(f"{info.name}: a load did not restore the saved state")
+        raise AssertionError(f"{label}: a load did not restore the saved state")
     out: dict[str, Any] = {"bytes": nbytes, "orders": orders, "ops": {}}
     for op in OPS:
         med = statistics.median(wall[op])
@@ -183,7 +200,7 @@ def _profile_store(info: Any, mib: int, runs: int, seed: int, rate: int,
             "mbps": nbytes / med / 1e6,
             "cpu_s_per_gib": statistics.median(cpu[op]) / (nbytes / GiB),
             "server_cpu_s_per_gib": statistics.median(server[op]) / (nbytes / GiB),
-            "profile": _sample(ops[op], runs, rate, workdir / f"{info.name}-{op}.txt"),
+            "profile": _sample(ops[op], runs, rate, workdir / f"{label}-{op}.txt"),
         }
     return out
 
@@ -197,7 +214,8 @@ def render_markdown(result: dict[str, Any]) -> str:
              f"operation in a balanced random order (seed {cfg['seed']}); median with "
              "min-max. MB = 10^6 bytes. CPU: this process (every thread) and the server's "
              "processes, per GiB moved, medians. `python -m benchmarks.store_profile "
-             f"--stores {' '.join(cfg['stores'])} --mib {cfg['mib']} --runs {cfg['runs']}`.",
+             f"--stores {' '.join(cfg['stores'])} --mib {cfg['mib']} --runs {cfg['runs']}"
+             f"{' --msc' if cfg.get('msc') else ''}`.",
              ""]
     for name, r in result["stores"].items():
         lines += [f"## {name}", "",
@@ -235,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=6, help="runs per operation (default 6)")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--seed", type=int, default=33)
+    p.add_argument("--msc", action="store_true",
+                   help="also profile each S3 store through dcpstore's MSC backend")
     add_output_args(p, "store-profile", "results.md")
     args = p.parse_args(argv)
     started = start_results(args, "python -m benchmarks.store_profile", "store-profile",
@@ -249,11 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dcpstore-store-profile-") as tmp:
         for name in args.stores:  # one server at a time: its CPU is the server CPU
             with Stores([name], Path(tmp), count_requests=False) as running:
-                stores[name] = _profile_store(running.info[name], args.mib, args.runs,
-                                              args.seed, args.rate, Path(tmp))
+                info = running.info[name]
+                stores[name] = _profile_store(info, args.mib, args.runs, args.seed,
+                                              args.rate, Path(tmp))
+                if args.msc and info.kind == "s3":
+                    stores[f"{name} via msc"] = _profile_store(
+                        info, args.mib, args.runs, args.seed, args.rate, Path(tmp),
+                        via_msc=True)
     result = {"checkout": checkout, "machine": machine_info(), "command": sys.argv,
               "config": {"stores": args.stores, "mib": args.mib, "runs": args.runs,
-                         "seed": args.seed, "rate": args.rate},
+                         "seed": args.seed, "rate": args.rate, "msc": args.msc},
               "stores": stores}
     text = write_results(out, result, render_markdown)
     print(text)

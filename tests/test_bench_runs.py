@@ -261,3 +261,24 @@ def test_store_profile_measures_cpu_and_where_it_went(tmp_path: Path) -> None:
     (out / "results.md").unlink()
     assert store_profile.main(["--render", str(out)]) == 0
     assert (out / "results.md").read_text() == text
+
+
+def test_store_profile_through_msc_beside_the_native_backend(tmp_path: Path) -> None:
+    pytest.importorskip("moto")
+    pytest.importorskip("dcpstore_msc")
+    from benchmarks import store_profile
+
+    assert (store_profile.bucket_of("_key_response_put (moto/s3/responses.py:1)")
+            == "moto server (in this process)")
+    assert (store_profile.bucket_of("upload_file (multistorageclient/client.py:9)")
+            == "multi-storage-client")
+    out = tmp_path / "sp"
+    assert store_profile.main(["--stores", "moto", "--mib", "16", "--runs", "2", "--rate",
+                               "500", "--msc", "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert set(result["stores"]) == {"moto", "moto via msc"} and result["config"]["msc"]
+    for r in result["stores"].values():
+        assert {"save", "load"} <= set(r["ops"])
+        assert all(len(o["wall_s"]) == 2 for o in r["ops"].values())
+    text = (out / "results.md").read_text()
+    assert "## moto via msc" in text and "--msc`" in text
