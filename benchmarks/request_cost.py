@@ -116,14 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=50, help="requests per round (50)")
     p.add_argument("--rounds", type=int, default=5, help="rounds (5)")
     p.add_argument("--out", default=None, help="directory for results.json")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="write results into benchmarks/results from a tree with uncommitted "
+                        "changes (the results then record the diff's SHA-256)")
     args = p.parse_args(argv)
     from dcpstore.testing.servers import seaweedfs_server
 
-    from .env import machine_info
+    from .env import DirtyTree, machine_info, run_checkout
 
+    try:
+        checkout = run_checkout(Path(args.out) if args.out else None, args.allow_dirty)
+    except DirtyTree as exc:
+        print(f"python -m benchmarks.request_cost: refusing to run: {exc}", file=sys.stderr)
+        return 2
     with seaweedfs_server(bucket="request-cost") as server:
         figures = measure(server, "request-cost", args.requests, args.rounds)
-    result = {"machine": machine_info(), **figures}
+    result = {"machine": machine_info(), "checkout": checkout, **figures}
     for key, value in result.items():
         if key.endswith("_ms"):
             print(f"{key:28s} {value:7.2f} ms CPU")

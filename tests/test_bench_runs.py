@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `pytest` run as a script does not put the repo root there
     sys.path.insert(0, str(REPO))
 
-from benchmarks import env, incremental, read_once, stall  # noqa: E402
+from benchmarks import env, incremental, read_once, request_cost, stall  # noqa: E402
 from benchmarks.runner import balanced_order  # noqa: E402
 
 MiB = 1 << 20
@@ -195,13 +195,15 @@ def test_committed_results_refuse_a_dirty_tree(dirty: list[bool],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(incremental, "_store", _must_not_measure)
     monkeypatch.setattr(stall, "machine_quiet", _must_not_measure)
+    monkeypatch.setattr(request_cost, "measure", _must_not_measure)
     committed = REPO / "benchmarks" / "results" / "never-written"
     assert incremental.main(["--out", str(committed)]) == 2
     assert read_once.main(["--out", str(committed)]) == 2
     assert stall.main(["--out", str(committed)]) == 2
+    assert request_cost.main(["--out", str(committed)]) == 2
     assert "uncommitted changes" in capsys.readouterr().err
     assert not committed.exists()
-    assert dirty == [False] * 3
+    assert dirty == [False] * 4
 
 
 def test_scratch_results_record_a_dirty_tree(dirty: list[bool], tmp_path: Path,
