@@ -26,7 +26,9 @@ operation:
 With ``--msc``, each S3 store is also profiled through dcpstore's MSC backend
 (``msc://<profile>/...``, the same profile as the throughput benchmark's ``dcpstore-msc``),
 reported as ``<store> via msc``. moto runs in this process (threads), so its CPU is in
-this process's figures and samples (its own bucket), and its "server CPU" is zero.
+this process's figures, its "server CPU" is zero, and every sample taken in one of its
+threads goes to its own bucket (:data:`IN_PROCESS_SERVER`), marked ``[server]`` among
+the top frames.
 
 The limits' CPU per GiB is in the throughput benchmark's results (``CPU s/GiB``), for the
 same bytes on the same server. Results: ``results.json`` and ``results.md`` under
@@ -63,13 +65,15 @@ from .env import (
 from .load_profile import layered_state
 from .runner import balanced_order
 
-__all__ = ["BUCKETS", "bucket_of", "main"]
+__all__ = ["BUCKETS", "IN_PROCESS_SERVER", "SERVER_BUCKET", "bucket_of", "main"]
 
 GiB = 1024 ** 3
 OPS = ("save", "load")
 #: Innermost frames of a thread that waits (a lock, a queue, a poll) but that
 #: ``--nonblocking`` sampling may see as running: counted apart, not in the shares.
 WAITING = r"Condition\.wait|Event\.wait|Queue\.get|_worker \(concurrent|do_poll|\.select \(|^$"
+#: The bucket of an in-process server's samples (see :data:`IN_PROCESS_SERVER`).
+SERVER_BUCKET = "moto server (in this process)"
 #: (bucket, pattern matched against the innermost frame ``function (file:line)``), in
 #: order: the first match names a sample's bucket; ``other`` takes the rest.
 BUCKETS: tuple[tuple[str, str], ...] = (
@@ -79,17 +83,27 @@ BUCKETS: tuple[tuple[str, str], ...] = (
     ("event loop (asyncio, aiohttp)", r"asyncio/|aiohttp/|selectors\.py|yarl/|multidict/"),
     ("botocore (signing, parsing, requests)", r"botocore/|boto3/|urllib3/|s3transfer/"),
     ("gcsfs", r"gcsfs/"),
-    ("moto server (in this process)", r"moto/|werkzeug/|flask/|xmltodict|responses/"),
+    (SERVER_BUCKET, r"moto/|werkzeug/|flask/|xmltodict|responses/"),
     ("multi-storage-client", r"multistorageclient/"),
-    ("temporary files (MSC spool)", r"tempfile\.py|shutil\.py"),
+    ("temporary files (the MSC backend's spool)", r"tempfile\.py|shutil\.py"),
     ("threads and queues", r"threading\.py|queue\.py|concurrent/futures"),
     ("dcpstore", r"dcpstore|dcpstore_\w+/"),
 )
 _FRAME = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 
 
-def bucket_of(frame: str) -> str:
-    """The bucket of one ``py-spy`` frame (``function (file:line)``)."""
+#: Frames of an in-process server's threads (moto's werkzeug server): a sample whose stack
+#: has one is the server's CPU, whatever its innermost frame (its socket I/O, the
+#: temporary files moto keeps objects in).
+IN_PROCESS_SERVER = r"werkzeug/serving\.py|socketserver\.py|moto/"
+
+
+def bucket_of(frame: str, stack: list[str] | None = None) -> str:
+    """The bucket of one ``py-spy`` sample: its innermost frame (``function
+    (file:line)``), or the in-process server's bucket when ``stack`` (every frame, outer
+    first) runs in a server thread."""
+    if stack is not None and any(re.search(IN_PROCESS_SERVER, f) for f in stack):
+        return SERVER_BUCKET
     for name, pattern in BUCKETS:
         if re.search(pattern, frame):
             return name
@@ -144,8 +158,9 @@ def _sample(op: Callable[[], None], runs: int, rate: int, path: Path) -> dict[st
         if re.search(WAITING, frames[-1]):
             waiting += count
             continue
-        buckets[bucket_of(frames[-1])] += count
-        leaves[frames[-1]] += count
+        bucket = bucket_of(frames[-1], frames)
+        buckets[bucket] += count
+        leaves[f"[server] {frames[-1]}" if bucket == SERVER_BUCKET else frames[-1]] += count
     total = sum(buckets.values())
     return {"rate": rate, "runs": runs, "samples": total, "waiting_samples": waiting,
             "buckets": dict(buckets.most_common()),

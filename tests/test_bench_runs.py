@@ -274,6 +274,14 @@ def test_store_profile_through_msc_beside_the_native_backend(tmp_path: Path) -> 
             == "moto server (in this process)")
     assert (store_profile.bucket_of("upload_file (multistorageclient/client.py:9)")
             == "multi-storage-client")
+    # a server thread's socket read and temporary file are the server's, not the client's
+    server = ["process_request_thread (socketserver.py:691)", "run_wsgi (werkzeug/serving.py:9)"]
+    for leaf in ("SocketIO.readinto (socket.py:706)",
+                 "SpooledTemporaryFile.read (tempfile.py:787)"):
+        assert store_profile.bucket_of(leaf, [*server, leaf]) == store_profile.SERVER_BUCKET
+    assert (store_profile.bucket_of("SpooledTemporaryFile.read (tempfile.py:787)",
+                                    ["upload_file (multistorageclient/client.py:9)"])
+            == "temporary files (the MSC backend's spool)")
     out = tmp_path / "sp"
     assert store_profile.main(["--stores", "moto", "--mib", "16", "--runs", "2", "--rate",
                                "500", "--msc", "--out", str(out)]) == 0
