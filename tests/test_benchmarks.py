@@ -583,6 +583,7 @@ def test_regress_compares_fractions_of_each_runs_limit(
             (sw, "dcpstore-s3", "load", 2): 800.0,  # 0.8
             (sw, "msc", "save", 2): 200.0,  # 0.5
             (sw, "msc", "load", 2): 400.0,  # 0.4, not in the quick run
+            (sw, "msc[best]", "save", 2): 200.0,
             ("local", "limit-local[wb16MiBx2]", "load", 2): 8000.0,
             ("local", "dcpstore-local", "load", 2): 4000.0}
     quick = {(sw, "limit-s3[objects-8MiBx4]", "save", 2): 100.0,  # another variant
@@ -592,7 +593,9 @@ def test_regress_compares_fractions_of_each_runs_limit(
              (sw, "msc", "save", 2): 100.0 * 0.5 / 3.1,  # 3.1x slower
              (sw, "torch-fsspec-s3", "save", 2): 10.0,  # not in the baseline
              ("local", "limit-local[wb16MiBx2]", "load", 2): 3000.0,
-             ("local", "dcpstore-local", "load", 2): 300.0}  # 5x, but excluded
+             ("local", "dcpstore-local", "load", 2): 300.0,  # 5x, but excluded
+             # a tuned best: the quick grid's pick, not the full grid's: excluded too
+             (sw, "msc[best]", "save", 2): 100.0 * 0.5 / 5.0}
     comp = regress.compare(_run_result(quick), [_run_result(base)])
     slowdowns = {r.key[1:3]: r.slowdown for r in comp.rows}
     assert slowdowns == pytest.approx({("msc", "save"): 3.1, ("dcpstore-s3", "load"): 1.6,
@@ -602,6 +605,7 @@ def test_regress_compares_fractions_of_each_runs_limit(
     assert comp.baseline_only == [(sw, "msc", "load", 2)]
     assert comp.quick_only == [(sw, "torch-fsspec-s3", "save", 2)]
     assert ("local", "dcpstore-local", "load", 2) in comp.excluded
+    assert (sw, "msc[best]", "save", 2) in comp.excluded
     assert (sw, "limit-s3[64MiBx8]", "load", 2) in comp.excluded  # the yardstick
     # a case's figure is its fastest run: one stalled run of two is not a slowdown
     stalled = _run_result(quick)
